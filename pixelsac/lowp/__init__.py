@@ -1,0 +1,42 @@
+"""Low-precision building blocks for pure-fp16 Soft Actor-Critic.
+
+The six numerical modifications of Björck et al., "Low-Precision Reinforcement Learning:
+Running Soft Actor-Critic in Half Precision" (ICML 2021), as a library that imports only
+torch:
+
+* :class:`HAdam` — Adam with a root second moment (hAdam), optional Kahan-gradients.
+* :class:`KahanAdam` — plain Adam with Kahan-gradients (for the "no hAdam" ablation).
+* :class:`CompoundLossScaler` — loss scaling carried into the optimizer state.
+* :class:`KahanEMA` — Kahan-momentum for the target network.
+* :class:`SquashedNormal` — tanh-Gaussian with the softplus-fix and normal-fix.
+* :func:`fp32_accumulate` — CPU emulation of fp16 tensor-core matmuls/convolutions.
+"""
+
+from .distributions import SquashedNormal, gaussian_log_prob, stable_softplus, tanh_log_abs_det_jacobian
+from .ema import KahanEMA
+from .emulate import fp32_accumulate
+from .hadam import HAdam
+from .kahan import kahan_add_
+from .kahan_adam import KahanAdam
+from .scaler import (
+    CompoundLossScaler,
+    LossScale,
+    optimizer_state_is_finite_after,
+    rescale_optimizer_state_,
+)
+
+__all__ = [
+    "HAdam",
+    "KahanAdam",
+    "CompoundLossScaler",
+    "LossScale",
+    "rescale_optimizer_state_",
+    "optimizer_state_is_finite_after",
+    "KahanEMA",
+    "SquashedNormal",
+    "stable_softplus",
+    "gaussian_log_prob",
+    "tanh_log_abs_det_jacobian",
+    "fp32_accumulate",
+    "kahan_add_",
+]

@@ -1,0 +1,240 @@
+"""Compound loss scaling: the scale is carried into the optimizer, never divided out.
+
+There is no fp32 copy of the gradients to unscale into, and dividing ``S·g`` by ``S`` in fp16
+would underflow again. So the scaled gradient goes straight into the optimizer, whose moments
+and ε are kept in "×S" units (hAdam's ``m / (s + ε)`` does not depend on S)::
+
+    (loss * S).backward()
+    ok = all grads finite                      # checked as isfinite(margin * grad)
+    if ok:  optimizer.step();  clean += 1
+            if clean > growth_interval and the state stays finite at ×(growth_factor·1.1):
+                S *= growth_factor; state *= growth_factor; ε = max(growth_factor·ε, floor)
+                clean = 0
+    else:   # overflow: the step is skipped, the optimizer's step count is not advanced
+            S *= backoff_factor; state *= backoff_factor; ε = max(backoff_factor·ε, floor)
+            clean = 0
+
+One scaler per loss (critic, actor, alpha). Under data parallelism every rank must take the
+same skip/grow decision, so the found-inf flag can be passed through a caller-supplied
+all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from .hadam import HAdam
+from .kahan_adam import KahanAdam
+
+# Optimizers whose state is Adam's: exp_avg ∝ S, exp_avg_sq ∝ S².
+_ADAM_LIKE = (torch.optim.Adam, KahanAdam)
+
+__all__ = [
+    "CompoundLossScaler",
+    "LossScale",
+    "rescale_optimizer_state_",
+    "optimizer_state_is_finite_after",
+]
+
+
+def _unsupported(optimizer: Optimizer) -> TypeError:
+    return TypeError(
+        f"compound loss scaling needs to know how the optimizer state scales with the loss "
+        f"scale; supported: HAdam (m, s ∝ S) and torch.optim.Adam/AdamW or KahanAdam "
+        f"(m ∝ S, v ∝ S²), "
+        f"got {type(optimizer).__name__}"
+    )
+
+
+@torch.no_grad()
+def rescale_optimizer_state_(optimizer: Optimizer, factor: float, eps_floor: float = 1e-7) -> None:
+    """Multiply an optimizer's scale-dependent state by the loss-scale change ``factor``.
+
+    HAdam: ``exp_avg``, ``exp_avg_root`` ×factor. torch Adam (or KahanAdam): ``exp_avg`` ×factor,
+    ``exp_avg_sq`` (and ``max_exp_avg_sq``) ×factor². In both, ``ε <- max(ε·factor, eps_floor)``
+    since ε is added to a quantity in "×S" units.
+
+    Raises:
+        TypeError: for any other optimizer.
+    """
+    if isinstance(optimizer, HAdam):
+        optimizer.rescale_state_(factor, eps_floor=eps_floor)
+        return
+    if not isinstance(optimizer, _ADAM_LIKE):
+        raise _unsupported(optimizer)
+    linear, quadratic = [], []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            linear.append(state["exp_avg"])
+            quadratic.append(state["exp_avg_sq"])
+            if "max_exp_avg_sq" in state:
+                quadratic.append(state["max_exp_avg_sq"])
+        group["eps"] = max(group["eps"] * factor, eps_floor)
+    if linear:
+        torch._foreach_mul_(linear, factor)
+        torch._foreach_mul_(quadratic, factor * factor)
+
+
+@torch.no_grad()
+def optimizer_state_is_finite_after(optimizer: Optimizer, factor: float) -> bool:
+    """Would the optimizer state stay finite if the loss scale were multiplied by ``factor``?"""
+    if isinstance(optimizer, HAdam):
+        return optimizer.state_is_finite_after(factor)
+    if not isinstance(optimizer, _ADAM_LIKE):
+        raise _unsupported(optimizer)
+    flags = []
+    for state in optimizer.state.values():
+        if not state:
+            continue
+        flags.append(torch.isfinite(state["exp_avg"] * factor).all())
+        flags.append(torch.isfinite(state["exp_avg_sq"] * (factor * factor)).all())
+    if not flags:
+        return True
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+
+
+class LossScale(float):
+    """A loss scale value that doubles as the scaling function.
+
+    ``CompoundLossScaler.scale`` is the number ``S`` (compare it, log it, do arithmetic with
+    it: results are plain floats) and ``scaler.scale(loss)`` returns ``loss * S``, so both
+    readings of the name work.
+    """
+
+    __slots__ = ()
+
+    def __call__(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float(self)
+
+
+class CompoundLossScaler:
+    """Dynamic loss scale ``S`` for one loss, with the scale carried into the optimizer state.
+
+    Args:
+        init_scale: ``S₀``.
+        growth_interval: grow after more than this many consecutive clean steps.
+        growth_factor: ``S``, the moments and ε are multiplied by this on growth.
+        backoff_factor: ... and by this on overflow.
+        eps_floor: lower bound on the optimizer's ε after any rescale.
+        overflow_margin: gradients count as overflowed when ``overflow_margin·grad`` is not
+            finite. The paper's value is ``1.1·0.9005`` (= 0.99055); in fp16 that product is
+            rounded once, so it flags exactly the non-finite gradients.
+        growth_margin: growth only happens when the state stays finite at
+            ``growth_factor·growth_margin`` (the paper checks ``2.2·m`` and ``2.2·s``).
+
+    Use::
+
+        scaler.scale(loss).backward()
+        took_step = scaler.step(optimizer)      # never unscale the gradients
+        optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 1e4,
+        growth_interval: int = 10_000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        eps_floor: float = 1e-7,
+        overflow_margin: float = 1.1 * 0.9005,
+        growth_margin: float = 1.1,
+    ) -> None:
+        if not init_scale > 0:
+            raise ValueError(f"init_scale must be positive, got {init_scale}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must lie in (0, 1), got {backoff_factor}")
+        if growth_interval < 0:
+            raise ValueError(f"growth_interval must be >= 0, got {growth_interval}")
+        self.growth_interval = int(growth_interval)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.eps_floor = float(eps_floor)
+        self.overflow_margin = float(overflow_margin)
+        self.growth_margin = float(growth_margin)
+        self._scale = float(init_scale)
+        self.clean_steps = 0
+        self.skipped_steps = 0
+        self.taken_steps = 0
+
+    @property
+    def scale(self) -> LossScale:
+        """The current loss scale ``S``: a float that can also be called, ``scale(loss) = loss·S``."""
+        return LossScale(self._scale)
+
+    @torch.no_grad()
+    def found_inf(self, optimizer: Optimizer) -> torch.Tensor:
+        """0-dim float tensor: 1.0 when any gradient of ``optimizer``'s params overflowed."""
+        flags, device = [], None
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                device = device or param.device
+                if param.grad is not None:
+                    flags.append(~torch.isfinite(param.grad * self.overflow_margin).all())
+        if not flags:
+            # Still a tensor on the params' device, so a collective all-reduce can take it.
+            return torch.zeros((), device=device)
+        return torch.stack([f.to(device) for f in flags]).any().to(torch.float32)
+
+    def step(
+        self,
+        optimizer: Optimizer,
+        reduce_found_inf: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    ) -> bool:
+        """Take ``optimizer.step()`` if no gradient overflowed, else skip and back off.
+
+        Args:
+            optimizer: HAdam, torch Adam or KahanAdam whose parameters hold ``S``-scaled
+                gradients.
+            reduce_found_inf: optional all-reduce (e.g. MAX over data-parallel ranks) of the
+                0-dim found-inf flag. It is called on every step, clean or not, so all ranks
+                participate. It may return the reduced tensor or reduce in place and return None.
+
+        Returns:
+            True when the optimizer step was taken.
+        """
+        found_inf = self.found_inf(optimizer)
+        if reduce_found_inf is not None:
+            reduced = reduce_found_inf(found_inf)
+            if reduced is not None:
+                found_inf = reduced
+        if bool(found_inf.item() > 0):
+            self._scale *= self.backoff_factor
+            rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return False
+
+        optimizer.step()
+        self.taken_steps += 1
+        self.clean_steps += 1
+        if self.clean_steps > self.growth_interval and optimizer_state_is_finite_after(
+            optimizer, self.growth_factor * self.growth_margin
+        ):
+            self._scale *= self.growth_factor
+            rescale_optimizer_state_(optimizer, self.growth_factor, self.eps_floor)
+            self.clean_steps = 0
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain python numbers: the scale and the counters."""
+        return {
+            "scale": self._scale,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+            "taken_steps": self.taken_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._scale = float(state_dict["scale"])
+        self.clean_steps = int(state_dict["clean_steps"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        self.taken_steps = int(state_dict["taken_steps"])

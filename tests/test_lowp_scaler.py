@@ -1,0 +1,240 @@
+"""Compound loss scaling (spec §2): failure mode 7 of §7 and the scaler's bookkeeping."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from pixelsac.lowp import CompoundLossScaler, HAdam, rescale_optimizer_state_
+
+F16, F64 = torch.float16, torch.float64
+
+
+def make_param(values=(0.1, -0.2, 0.3), dtype=F16) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, requires_grad=True)
+
+
+def backward_scaled(scaler: CompoundLossScaler, param: torch.Tensor, x: float) -> torch.Tensor:
+    """loss = Σ (x·w)²; its gradient 2x²w·S overflows fp16 when the loss is large."""
+    param.grad = None
+    loss = ((x * param) ** 2).sum()
+    scaler.scale(loss).backward()
+    return loss
+
+
+def snapshot(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict:
+    state = {k: (v.clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in opt.state[param].items()}
+    return {"param": param.detach().clone(), "state": state, "eps": opt.param_groups[0]["eps"]}
+
+
+# ------------------------------------------------------------------------- failure mode 7
+def test_overflowing_loss_skips_the_step_and_halves_scale_state_and_eps():
+    param = make_param()
+    opt = HAdam([param], lr=1e-3, eps=1e-4, kahan=True)
+    scaler = CompoundLossScaler(init_scale=1e4)
+    for _ in range(3):
+        backward_scaled(scaler, param, x=1.0)
+        assert scaler.step(opt) is True
+    before = snapshot(opt, param)
+
+    loss = backward_scaled(scaler, param, x=30.0)
+    assert loss.item() > 65504 / 1e4  # loss·S is not representable in fp16 ...
+    assert not torch.isfinite(param.grad).all()  # ... and neither are the gradients
+    assert scaler.step(opt) is False
+
+    assert torch.equal(param.detach(), before["param"])  # bitwise unchanged
+    state = opt.state[param]
+    assert state["step"] == before["state"]["step"] == 3  # t not advanced
+    assert torch.equal(state["exp_avg"], before["state"]["exp_avg"] * 0.5)
+    assert torch.equal(state["exp_avg_root"], before["state"]["exp_avg_root"] * 0.5)
+    assert torch.equal(state["kahan_comp"], before["state"]["kahan_comp"])  # parameter units
+    assert opt.param_groups[0]["eps"] == pytest.approx(0.5e-4)
+    assert scaler.scale == 5e3
+    assert (scaler.skipped_steps, scaler.taken_steps, scaler.clean_steps) == (1, 3, 0)
+
+
+def test_backoff_floors_eps():
+    param = make_param()
+    opt = HAdam([param], lr=1e-3, eps=1e-4)
+    scaler = CompoundLossScaler(init_scale=1e4, eps_floor=1e-7)
+    for _ in range(12):  # 1e-4 · 2^-12 = 2.4e-8 < floor
+        param.grad = torch.full((3,), float("inf"), dtype=F16)
+        scaler.step(opt)
+    assert opt.param_groups[0]["eps"] == 1e-7
+    assert scaler.scale == pytest.approx(1e4 * 0.5**12)
+    assert scaler.skipped_steps == 12 and not opt.state[param]  # no step was ever taken
+
+
+def test_growth_after_more_than_growth_interval_clean_steps():
+    param, twin = make_param(), make_param()
+    opt = HAdam([param], lr=1e-3, eps=1e-4)
+    twin_opt = HAdam([twin], lr=1e-3, eps=1e-4)  # same gradients, no scaler
+    scaler = CompoundLossScaler(init_scale=1e4, growth_interval=3)
+    for step in range(1, 5):
+        backward_scaled(scaler, param, x=1.0)
+        twin.grad = param.grad.clone()
+        assert scaler.step(opt)
+        twin_opt.step()
+        if step <= 3:
+            assert scaler.scale == 1e4 and scaler.clean_steps == step
+    # The 4th clean step (> 3) grows S and the state, and restarts the count.
+    assert scaler.scale == 2e4 and scaler.clean_steps == 0
+    assert torch.equal(param, twin)
+    assert torch.equal(opt.state[param]["exp_avg"], twin_opt.state[twin]["exp_avg"] * 2)
+    assert torch.equal(opt.state[param]["exp_avg_root"], twin_opt.state[twin]["exp_avg_root"] * 2)
+    assert opt.param_groups[0]["eps"] == pytest.approx(2e-4)
+    assert opt.state[param]["step"] == twin_opt.state[twin]["step"] == 4
+
+
+def test_no_growth_when_the_grown_state_would_overflow():
+    param = make_param()
+    opt = HAdam([param], lr=1e-3, eps=1e-4)
+    scaler = CompoundLossScaler(init_scale=1e4, growth_interval=1)
+    backward_scaled(scaler, param, x=1.0)
+    scaler.step(opt)
+    # 2.2·30000 overflows fp16 although 2·30000 would not: the paper's margin.
+    opt.state[param]["exp_avg_root"].fill_(30000.0)
+    assert opt.state_is_finite_after(2.0) and not opt.state_is_finite_after(2.2)
+    backward_scaled(scaler, param, x=1.0)
+    assert scaler.step(opt)
+    assert scaler.scale == 1e4 and scaler.clean_steps == 2  # keeps counting, retries next step
+
+
+def test_reduce_found_inf_is_always_called_and_its_answer_decides():
+    param = make_param()
+    opt = HAdam([param], lr=1e-3, eps=1e-4)
+    scaler = CompoundLossScaler()
+    seen = []
+
+    def another_rank_overflowed(flag: torch.Tensor) -> torch.Tensor:
+        seen.append(flag.clone())
+        return torch.ones_like(flag)
+
+    backward_scaled(scaler, param, x=1.0)
+    before = param.detach().clone()
+    assert scaler.step(opt, reduce_found_inf=another_rank_overflowed) is False
+    assert len(seen) == 1 and seen[0].dim() == 0 and seen[0].is_floating_point()
+    assert seen[0].item() == 0.0  # locally clean, but called anyway
+    assert torch.equal(param.detach(), before) and scaler.scale == 5e3 and not opt.state[param]
+
+    def in_place_all_reduce(flag: torch.Tensor) -> None:  # like dist.all_reduce(flag, MAX)
+        seen.append(flag.clone())
+        flag.zero_()
+
+    param.grad = torch.full((3,), float("nan"), dtype=F16)
+    # Every rank participates even on a local overflow; here the "reduction" clears it.
+    assert scaler.step(opt, reduce_found_inf=in_place_all_reduce) is True
+    assert seen[-1].item() == 1.0
+
+
+def test_scaler_with_plain_torch_adam_scales_second_moment_quadratically():
+    param = make_param()
+    opt = torch.optim.Adam([param], lr=1e-3, eps=1e-4)
+    scaler = CompoundLossScaler(init_scale=256.0, growth_interval=2)
+    backward_scaled(scaler, param, x=1.0)
+    scaler.step(opt)
+    before = snapshot(opt, param)
+    param.grad = torch.full((3,), float("inf"), dtype=F16)
+    assert scaler.step(opt) is False
+    state = opt.state[param]
+    assert torch.equal(state["exp_avg"], before["state"]["exp_avg"] * 0.5)
+    assert torch.equal(state["exp_avg_sq"], before["state"]["exp_avg_sq"] * 0.25)
+    assert torch.equal(state["step"], before["state"]["step"])
+    assert opt.param_groups[0]["eps"] == pytest.approx(0.5e-4)
+    assert scaler.scale == 128.0
+
+    for _ in range(3):
+        backward_scaled(scaler, param, x=1.0)
+        assert scaler.step(opt)
+    assert scaler.scale == 256.0  # grew after the 3rd clean step
+    assert opt.param_groups[0]["eps"] == pytest.approx(1e-4)
+
+
+def test_rescale_rejects_unknown_optimizers():
+    param = make_param()
+    with pytest.raises(TypeError, match="SGD"):
+        rescale_optimizer_state_(torch.optim.SGD([param], lr=0.1), 0.5)
+
+
+def test_gradients_are_never_unscaled():
+    param = make_param()
+    opt = HAdam([param], lr=1e-3, eps=1e-4)
+    scaler = CompoundLossScaler(init_scale=1024.0)
+    backward_scaled(scaler, param, x=1.0)
+    scaled_grad = param.grad.clone()
+    torch.testing.assert_close(scaled_grad, (1024.0 * 2 * param.detach()), rtol=1e-3, atol=0)
+    scaler.step(opt)
+    assert torch.equal(param.grad, scaled_grad)
+    # m is in "×S" units: (1-β1)·S·g after one step.
+    torch.testing.assert_close(opt.state[param]["exp_avg"], 0.1 * scaled_grad, rtol=1e-3, atol=0)
+
+
+def test_skip_and_backoff_leave_the_float64_trajectory_unchanged():
+    """The point of compound scaling: m/(s+ε) does not depend on S. In float64, training with
+    S=1e4 and ε=1e-4 through a skipped step and a growth equals plain hAdam with ε=1e-8 on the
+    unscaled gradients, the skipped step simply absent."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(3, generator=gen, dtype=F64) for _ in range(12)]
+    skip_at = 5
+    scaled_param, plain_param = make_param(dtype=F64), make_param(dtype=F64)
+    scaled_opt = HAdam([scaled_param], lr=1e-2, eps=1e-4)
+    plain_opt = HAdam([plain_param], lr=1e-2, eps=1e-8)
+    scaler = CompoundLossScaler(init_scale=1e4, growth_interval=3)
+    for i, g in enumerate(grads):
+        if i == skip_at:
+            scaled_param.grad = torch.full((3,), float("inf"), dtype=F64)
+            assert not scaler.step(scaled_opt)
+            continue
+        scaled_param.grad = scaler.scale * g
+        assert scaler.step(scaled_opt)
+        plain_param.grad = g.clone()
+        plain_opt.step()
+    assert scaler.skipped_steps == 1 and scaler.scale != 1e4  # both rescales happened
+    torch.testing.assert_close(scaled_param, plain_param, rtol=1e-10, atol=0)
+
+
+# ---------------------------------------------------------------------------- bookkeeping
+def test_scale_is_a_float_and_scales_a_loss():
+    scaler = CompoundLossScaler(init_scale=8.0)
+    loss = torch.tensor(0.5, dtype=F16)
+    assert isinstance(scaler.scale, float) and scaler.scale == 8.0
+    assert scaler.scale(loss).item() == 4.0 and scaler.scale(loss).dtype == F16
+    assert (loss * scaler.scale).item() == 4.0
+
+
+def test_state_dict_round_trip_with_plain_numbers():
+    param = make_param()
+    opt = HAdam([param], lr=1e-3, eps=1e-4)
+    scaler = CompoundLossScaler(init_scale=1e4, growth_interval=2)
+    for x in (1.0, 30.0, 1.0, 1.0, 1.0):
+        backward_scaled(scaler, param, x=x)
+        scaler.step(opt)
+    state = scaler.state_dict()
+    assert json.loads(json.dumps(state)) == state  # plain python numbers only
+    assert all(type(v) in (int, float) for v in state.values())
+    restored = CompoundLossScaler()
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state
+    assert restored.scale == scaler.scale == 1e4  # 1e4 → 5e3 (skip) → 1e4 (growth)
+    assert (restored.skipped_steps, restored.taken_steps, restored.clean_steps) == (1, 4, 0)
+
+
+def test_kahan_adam_state_is_rescaled_like_adam():
+    from pixelsac.lowp import KahanAdam
+
+    param = make_param()
+    opt = KahanAdam([param], lr=1e-3, eps=1e-4)
+    scaler = CompoundLossScaler(init_scale=256.0)
+    backward_scaled(scaler, param, x=1.0)
+    scaler.step(opt)
+    before = snapshot(opt, param)
+    param.grad = torch.full((3,), float("inf"), dtype=F16)
+    assert not scaler.step(opt)
+    state = opt.state[param]
+    assert torch.equal(state["exp_avg"], before["state"]["exp_avg"] * 0.5)
+    assert torch.equal(state["exp_avg_sq"], before["state"]["exp_avg_sq"] * 0.25)
+    assert torch.equal(state["kahan_comp"], before["state"]["kahan_comp"])  # parameter units
+    assert torch.equal(param.detach(), before["param"]) and state["step"] == 1
