@@ -1,0 +1,254 @@
+"""Configuration: YAML defaults in ``conf/``, command-line overrides, validation with clear errors.
+
+A run's configuration is composed in a fixed order, later sources winning::
+
+    conf/config.yaml  <  conf/task/<task>.yaml  <  conf/preset/<preset>.yaml  <  key=value overrides
+
+``conf/config.yaml`` is the schema: every key a run understands is there, and its default's type
+is the type an override must have (ints are accepted where floats are expected). Keys whose
+default is ``null`` have their type declared in :data:`NULLABLE`. ``trainer.*`` keys are passed
+to ``lightning.Trainer`` and are checked against its signature. Every mistake raises
+:class:`ConfigError` carrying one line that says what is wrong and what would be valid; the entry
+points turn it into exit code 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+PRECISION_MODES = ("fp32", "fp16", "bf16", "amp")
+OBS_KINDS = ("pixels", "state")
+
+#: Types of keys whose default is null (anything else takes its type from conf/config.yaml).
+NULLABLE: dict[str, type] = {
+    "preset": str,
+    "run_dir": str,
+    "lowp.all": bool,
+    "lowp.hadam": bool,
+    "lowp.loss_scaling": bool,
+    "lowp.kahan_gradients": bool,
+    "lowp.kahan_momentum": bool,
+    "lowp.softplus_fix": bool,
+    "lowp.normal_fix": bool,
+    "lowp.fp32_accumulate": bool,
+    "env.action_repeat": int,
+    "env.camera_id": int,
+    "train.num_threads": int,
+}
+
+# (key, smallest allowed value): sizes and counts that must be positive (or non-negative).
+_LOWER_BOUNDS: dict[str, float] = {
+    "env.image_size": 1, "env.frame_stack": 1, "env.episode_frames": 1, "env.action_repeat": 1,
+    "env.camera_id": 0, "replay.capacity": 1, "agent.batch_size": 1, "agent.num_filters": 1,
+    "agent.num_conv_layers": 1, "agent.feature_dim": 1, "agent.hidden_dim": 1,
+    "agent.hidden_depth": 1, "agent.aug_pad": 0, "agent.aug_target_copies": 1,
+    "agent.aug_q_copies": 1, "agent.critic_target_update_every": 1, "agent.actor_update_every": 1,
+    "train.env_frames": 1, "train.seed_steps": 0, "train.updates_per_step": 0,
+    "train.eval_every_frames": 1, "train.eval_episodes": 0, "train.log_every_updates": 1,
+    "train.num_threads": 1, "lowp.init_scale": 1e-30, "lowp.growth_interval": 1,
+    "lowp.adam_eps_scaled": 1e-30, "lowp.target_scale": 1e-30, "agent.lr": 1e-30,
+    "agent.adam_eps": 1e-30, "agent.init_temperature": 1e-30, "agent.critic_tau": 1e-30,
+}
+_UNIT_INTERVAL = ("agent.discount", "agent.critic_tau", "agent.beta1", "agent.beta2")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, described in one line (exit code 2 at the command line)."""
+
+
+def conf_dir() -> Path:
+    """The ``conf/`` folder: ``$PIXELSAC_CONF`` if set, else the one beside the package."""
+    env = os.environ.get("PIXELSAC_CONF")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as exc:  # yaml errors carry multi-line context; keep the first line
+        raise ConfigError(f"cannot read {path}: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path} must hold a mapping of keys to values")
+    return cfg
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``["a.b=3", "task=walker_walk"]`` -> ``{"a.b": 3, "task": "walker_walk"}`` (YAML-typed values)."""
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"expected key=value, got {item!r} (example: agent.batch_size=256)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw  # an unquoted string YAML cannot parse is still a string
+        parsed[key] = value
+    return parsed
+
+
+def _type_name(t: type) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
+
+
+def _check_type(key: str, value: Any, expected: type) -> Any:
+    if value is None:
+        if key in NULLABLE:
+            return None
+        raise ConfigError(f"{key} cannot be null; it takes {_type_name(expected)}")
+    ok = (
+        isinstance(value, bool) if expected is bool
+        else isinstance(value, (int, float)) and not isinstance(value, bool) if expected is float
+        else isinstance(value, int) and not isinstance(value, bool) if expected is int
+        else isinstance(value, str)
+    )
+    if not ok:
+        raise ConfigError(f"{key}={value!r} has the wrong type; it takes {_type_name(expected)}")
+    return float(value) if expected is float else value
+
+
+def _trainer_keys() -> list[str]:
+    import lightning  # deferred: importing lightning costs seconds
+
+    return [p for p in inspect.signature(lightning.Trainer.__init__).parameters if p != "self"]
+
+
+def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
+    """Set one dotted key after checking that it exists and the value has its type."""
+    head, _, rest = key.partition(".")
+    if head == "trainer" and rest:
+        if "." in rest or rest not in _trainer_keys():
+            raise ConfigError(
+                f"unknown Lightning Trainer argument {rest!r}{_suggest(rest, _trainer_keys())}; "
+                "trainer.* takes the arguments of lightning.Trainer (e.g. trainer.devices=2)"
+            )
+        if rest in ("logger", "callbacks", "enable_checkpointing", "default_root_dir", "precision"):
+            raise ConfigError(f"trainer.{rest} is set by pixelsac itself (use run_dir=..., precision=...)")
+        OmegaConf.update(cfg, key, value, force_add=True)
+        return
+    default = OmegaConf.select(defaults, key, default="__missing__")
+    if isinstance(default, str) and default == "__missing__":
+        parent, _, leaf = key.rpartition(".")
+        scope = OmegaConf.select(defaults, parent) if parent else defaults
+        if not isinstance(scope, DictConfig):  # e.g. "nope.x": report against the top level
+            parent, leaf, scope = "", head, defaults
+        valid = [f"{parent}.{k}" if parent else str(k) for k in scope.keys()]
+        where = f"keys under '{parent}'" if parent else "top-level keys"
+        guess = _suggest(f"{parent}.{leaf}" if parent else leaf, valid)
+        raise ConfigError(f"unknown key {key!r}{guess}; {where}: {', '.join(valid)}")
+    if isinstance(default, DictConfig):
+        raise ConfigError(f"{key} is a group of keys; set one of them, e.g. {key}.{next(iter(default))}=...")
+    expected = NULLABLE.get(key) or type(default)
+    OmegaConf.update(cfg, key, _check_type(key, value, expected))
+
+
+def load_config(
+    overrides: Sequence[str] = (),
+    valid_tasks: Iterable[str] | None = None,
+    conf: Path | None = None,
+) -> DictConfig:
+    """Compose and validate a run configuration.
+
+    ``valid_tasks`` (the dm_control suite task names) lets an unknown task be refused here, with
+    suggestions, instead of later when the environment is built.
+    """
+    conf = conf or conf_dir()
+    defaults = _load_yaml(conf / "config.yaml")
+    given = parse_overrides(overrides)
+
+    preset = given.get("preset", defaults.get("preset"))
+    preset_cfg = None
+    if preset is not None:
+        if not isinstance(preset, str) or not (conf / "preset" / f"{preset}.yaml").is_file():
+            presets = _names(conf / "preset")
+            raise ConfigError(f"unknown preset {preset!r}{_suggest(str(preset), presets)}; presets: {', '.join(presets)}")
+        preset_cfg = _load_yaml(conf / "preset" / f"{preset}.yaml")
+
+    task = given.get("task", preset_cfg.get("task") if preset_cfg is not None and "task" in preset_cfg else defaults.task)
+    if not isinstance(task, str):
+        raise ConfigError(f"task={task!r} must be a task name such as cheetah_run")
+    if valid_tasks is not None:
+        tasks = sorted(valid_tasks)
+        if task not in tasks:
+            raise ConfigError(
+                f"unknown task {task!r}{_suggest(task, tasks)}; dm_control suite tasks: {', '.join(tasks)}"
+            )
+
+    cfg = defaults.copy()
+    layers: list[tuple[str, DictConfig]] = []
+    task_file = conf / "task" / f"{task}.yaml"
+    if task_file.is_file():
+        layers.append((str(task_file), _load_yaml(task_file)))
+    if preset_cfg is not None:
+        layers.append((f"preset {preset}", preset_cfg))
+    for source, layer in layers:
+        for key, value in _flatten(OmegaConf.to_container(layer)).items():
+            try:
+                _apply(cfg, key, value, defaults)
+            except ConfigError as exc:
+                raise ConfigError(f"in {source}: {exc}") from None
+    for key, value in given.items():
+        _apply(cfg, key, value, defaults)
+    cfg.task = task
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check values that have the right type but make no sense (negative sizes, unknown modes)."""
+    if cfg.precision not in PRECISION_MODES:
+        raise ConfigError(f"unknown precision {cfg.precision!r}{_suggest(cfg.precision, PRECISION_MODES)}; "
+                          f"choose one of {', '.join(PRECISION_MODES)}")
+    if cfg.env.obs not in OBS_KINDS:
+        raise ConfigError(f"env.obs={cfg.env.obs!r}; choose one of {', '.join(OBS_KINDS)}")
+    for key, low in _LOWER_BOUNDS.items():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < low:
+            what = "positive" if low > 0 else "zero or more"
+            raise ConfigError(f"{key}={value} must be {what}")
+    for key in _UNIT_INTERVAL:
+        value = OmegaConf.select(cfg, key)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key}={value} must lie in [0, 1]")
+    if cfg.env.obs == "pixels" and cfg.env.image_size < 2 * cfg.agent.num_conv_layers + 3:
+        raise ConfigError(f"env.image_size={cfg.env.image_size} is too small for {cfg.agent.num_conv_layers} conv layers")
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """The configuration as plain Python containers (what checkpoints and run directories hold)."""
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def from_plain(data: dict[str, Any]) -> DictConfig:
+    """Rebuild a read-only config from :func:`to_plain`'s output (e.g. from a checkpoint)."""
+    cfg = OmegaConf.create(data)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg

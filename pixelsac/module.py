@@ -1,0 +1,209 @@
+"""SAC with DrQ augmentation as a LightningModule: the losses and the update schedule.
+
+One ``training_step`` is one gradient update on a replay batch (the Trainer's loop and the
+experience stream decide when; see ``collect.py``). With ``o`` the observation, ``a`` the action
+and ``o'`` the next observation, aug(·) a random shift, K and M the numbers of augmented copies:
+
+critic (every update)::
+
+    a'_k ~ π(·|aug_k(o'))                                  k = 1..K
+    y    = r + γ·(1 - terminal)·mean_k[ min(Q̄1, Q̄2)(aug_k(o'), a'_k) - α·log π(a'_k|aug_k(o')) ]
+    L_Q  = Σ_m [ (Q1(aug_m(o), a) - y)² + (Q2(aug_m(o), a) - y)² ]   (batch means), m = 1..M
+
+actor and temperature (every ``actor_update_every`` updates; the actor sees the conv features
+detached, so only the critic trains the convolutions)::
+
+    ã ~ π(·|o_1),   L_π = mean[ α·log π(ã|o_1) - min(Q1, Q2)(o_1, ã) ]
+    L_α = mean[ α·(-log π(ã|o_1) - H̄) ],   H̄ = -|A|
+
+target (every ``critic_target_update_every`` updates): θ̄ ← θ̄ + τ(θ - θ̄), compensated in
+low precision (Kahan-momentum). Dtypes, optimizers, loss scalers and the squashed-normal policy
+come from the :class:`~pixelsac.precision.PrecisionPolicy`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pixelsac.augment import RandomShift
+from pixelsac.config import from_plain
+from pixelsac.nets import build_networks
+from pixelsac.precision import PrecisionPolicy
+
+LOSSES = ("critic", "actor", "alpha")
+
+
+class SACModule(L.LightningModule):
+    """Actor, double-Q critic (owning the conv trunk), target critic and temperature.
+
+    Built from plain data only (the config as a dict, the observation shape, the action size),
+    so a checkpoint's hyperparameters rebuild it without unpickling any object of ours.
+    """
+
+    def __init__(self, config: dict[str, Any], obs_shape: tuple[int, ...], action_dim: int) -> None:
+        super().__init__()
+        self.save_hyperparameters({"config": config, "obs_shape": list(obs_shape), "action_dim": int(action_dim)})
+        self.automatic_optimization = False
+        self.cfg = from_plain(config)
+        agent = self.cfg.agent
+        self.obs_shape, self.action_dim = tuple(obs_shape), int(action_dim)
+        self.precision_policy = PrecisionPolicy.from_config(self.cfg, "cpu")  # re-resolved for the device in setup()
+
+        self.actor, self.critic = build_networks(self.obs_shape, self.action_dim, agent)
+        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.log_alpha = nn.Parameter(torch.tensor(math.log(agent.init_temperature)))
+        self.precision_policy.cast_module(self)
+        self.target_updater = self.precision_policy.make_target_updater(self.critic, self.critic_target)
+        pixels = len(self.obs_shape) == 3
+        self.augment = RandomShift(self.obs_shape[-1], agent.aug_pad if pixels else 0)
+        self.target_entropy = -float(self.action_dim)
+        self.scalers: dict[str, Any] = {}
+        self.updates = 0  # gradient updates attempted (critic steps, taken or skipped)
+        self.skipped = dict.fromkeys(LOSSES, 0)
+        self.metrics: dict[str, torch.Tensor] = {}
+        self._actor_metrics: dict[str, torch.Tensor] = {}
+
+    # --- Lightning plumbing ---------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        device_type = self.trainer.strategy.root_device.type
+        self.precision_policy = PrecisionPolicy.from_config(self.cfg, device_type)
+        for name in LOSSES:
+            self.scalers[name] = self.precision_policy.make_scaler()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        agent = self.cfg.agent
+        betas = (agent.beta1, agent.beta2)
+        critic_opt = self.precision_policy.make_optimizer(self.critic.parameters(), agent.lr, betas, kahan=True)
+        actor_opt = self.precision_policy.make_optimizer(self.actor.parameters(), agent.lr, betas, kahan=False)
+        alpha_opt = self.precision_policy.make_optimizer([self.log_alpha], agent.lr, betas, kahan=True)
+        return [critic_opt, actor_opt, alpha_opt]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["pixelsac"] = {
+            "updates": self.updates,
+            "skipped": dict(self.skipped),
+            "scalers": {name: s.state_dict() for name, s in self.scalers.items() if s is not None},
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("pixelsac", {})
+        self.updates = int(state.get("updates", 0))
+        self.skipped.update(state.get("skipped", {}))
+        self._pending_scaler_states = state.get("scalers", {})
+
+    def on_fit_start(self) -> None:
+        for name, scaler_state in getattr(self, "_pending_scaler_states", {}).items():
+            if self.scalers.get(name) is not None:
+                self.scalers[name].load_state_dict(scaler_state)
+        self._pending_scaler_states = {}
+
+    # --- acting ---------------------------------------------------------------------------------
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.log_alpha.exp()
+
+    def _dist(self, trunk_features: torch.Tensor):
+        mu, log_std = self.actor(trunk_features)
+        return self.precision_policy.distribution(mu, log_std)
+
+    @torch.no_grad()
+    def act(self, obs: np.ndarray, sample: bool) -> np.ndarray:
+        """Actions in [-1, 1] for a batch of observations (N, *obs_shape); float32 numpy."""
+        obs_t = self.precision_policy.cast_input(torch.as_tensor(obs, device=self.device))
+        with self.precision_policy.compute_context():
+            dist = self._dist(self.critic.trunk(obs_t))
+            action = dist.sample() if sample else dist.mean
+        return action.clamp(-1.0, 1.0).float().cpu().numpy()
+
+    # --- losses ---------------------------------------------------------------------------------
+    def critic_loss(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor,
+                    not_terminal: torch.Tensor, next_obs: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        agent = self.cfg.agent
+        k, m, batch = agent.aug_target_copies, agent.aug_q_copies, obs.shape[0]
+        with torch.no_grad():
+            next_aug = self.augment.copies(next_obs, k)
+            dist = self._dist(self.critic.trunk(next_aug))
+            next_action = dist.rsample()
+            log_prob = dist.log_prob(next_action).sum(-1, keepdim=True)
+            target_q1, target_q2 = self.critic_target(next_aug, next_action)
+            target_v = torch.min(target_q1, target_q2) - self.alpha.detach() * log_prob
+            target_v = target_v.view(k, batch, 1).mean(0)
+            target_q = reward + not_terminal * agent.discount * target_v
+        q1, q2 = self.critic(self.augment.copies(obs, m), action.repeat(m, 1))
+        target_rep = target_q.repeat(m, 1)
+        # DrQ sums the per-copy mean squared errors over the M augmented copies
+        loss = m * (F.mse_loss(q1, target_rep) + F.mse_loss(q2, target_rep))
+        return loss, {"critic_loss": loss.detach(), "q": q1.detach().mean(), "target_q": target_q.mean()}
+
+    def actor_and_alpha_loss(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        obs_aug = self.augment(obs)
+        trunk_features = self.critic.trunk(obs_aug).detach()
+        dist = self._dist(trunk_features)
+        action = dist.rsample()
+        log_prob = dist.log_prob(action).sum(-1, keepdim=True)
+        q1, q2 = self.critic.heads(trunk_features, action)
+        actor_loss = (self.alpha.detach() * log_prob - torch.min(q1, q2)).mean()
+        alpha_loss = (self.alpha * (-log_prob - self.target_entropy).detach()).mean()
+        return actor_loss, alpha_loss, {
+            "actor_loss": actor_loss.detach(), "alpha_loss": alpha_loss.detach(),
+            "entropy": -log_prob.detach().mean(),
+        }
+
+    # --- one update -----------------------------------------------------------------------------
+    def _reduce_found_inf(self) -> Any:
+        """All ranks must skip together, or data-parallel replicas drift apart."""
+        if self.trainer.world_size <= 1:
+            return None
+        return lambda flag: self.trainer.strategy.reduce(flag, reduce_op="max")
+
+    def _step(self, name: str, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        taken = self.precision_policy.backward_and_step(loss, optimizer, self.scalers.get(name),
+                                              self.manual_backward, self._reduce_found_inf())
+        if not taken:
+            self.skipped[name] += 1
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        agent = self.cfg.agent
+        cast = self.precision_policy.cast_input
+        obs, next_obs = cast(batch["obs"]), cast(batch["next_obs"])
+        action, reward, not_terminal = cast(batch["action"]), cast(batch["reward"]), cast(batch["not_terminal"])
+        critic_opt, actor_opt, alpha_opt = self.optimizers()
+
+        with self.precision_policy.compute_context():
+            critic_loss, metrics = self.critic_loss(obs, action, reward, not_terminal, next_obs)
+        self._step("critic", critic_loss, critic_opt)
+
+        if self.updates % agent.actor_update_every == 0:
+            with self.precision_policy.compute_context():
+                actor_loss, alpha_loss, actor_metrics = self.actor_and_alpha_loss(obs)
+            self._step("actor", actor_loss, actor_opt)
+            self._step("alpha", alpha_loss, alpha_opt)
+            self._actor_metrics = actor_metrics  # logged with the next critic metrics
+
+        if self.updates % agent.critic_target_update_every == 0:
+            self.target_updater.update_(agent.critic_tau)
+
+        self.updates += 1
+        if self.updates % self.cfg.train.log_every_updates == 0:
+            metrics.update(self._actor_metrics, alpha=self.alpha.detach())
+            self.metrics = metrics  # read (and synchronised) by the logging callback
+
+    def loss_scales(self) -> dict[str, float]:
+        """Current loss scale per loss (1.0 where no scaler runs)."""
+        scales = {}
+        for name, scaler in self.scalers.items():
+            if scaler is None:
+                scales[name] = 1.0
+            elif hasattr(scaler, "get_scale"):
+                scales[name] = float(scaler.get_scale())
+            else:
+                scales[name] = float(scaler.scale)
+        return scales

@@ -1,0 +1,197 @@
+"""The precision policy: the one place that decides dtypes and the numerical machinery.
+
+Modes (``precision=...``) and what each implies; every ``lowp.*`` switch set explicitly wins,
+``lowp.all`` sets all six at once (``precision=fp16 lowp.all=false`` is *naive fp16*):
+
+=======  ============  =====================================================================
+mode     parameters    machinery
+=======  ============  =====================================================================
+fp32     float32       torch Adam, plain EMA target, reference log-prob forms (DrQ as published)
+fp16     float16       pure fp16 with the six modifications of Björck et al. (2021)
+bf16     bfloat16      pure bf16; bf16 has fp32's range, so no loss scaling, the rest on
+amp      float32       autocast to fp16 + one torch GradScaler per optimizer (standard mixed)
+=======  ============  =====================================================================
+
+In the pure low-precision modes every parameter, target copy, ``log_alpha`` and optimizer state
+tensor has the parameter dtype. On a CPU, ``lowp.fp32_accumulate`` (on by default there) runs
+convolutions and matmuls with fp32 accumulation and rounds their outputs to fp16 -- what GPU
+tensor cores do -- because this CPU's native fp16 kernels are 5-14x slower than fp32. Storage and
+every elementwise op stay fp16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pixelsac import lowp
+
+SIX = ("hadam", "loss_scaling", "kahan_gradients", "kahan_momentum", "softplus_fix", "normal_fix")
+
+_PARAM_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "amp": torch.float32}
+_MODE_DEFAULTS = {
+    "fp32": dict.fromkeys(SIX, False),
+    "fp16": dict.fromkeys(SIX, True),
+    "bf16": {**dict.fromkeys(SIX, True), "loss_scaling": False},
+    "amp": dict.fromkeys(SIX, False),
+}
+
+Scaler = Any  # lowp.CompoundLossScaler | torch.amp.GradScaler | None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+    """Dtypes and numerical switches of one run; builds optimizers, scalers, targets, policies."""
+
+    mode: str = "fp32"
+    device_type: str = "cpu"
+    hadam: bool = False
+    loss_scaling: bool = False
+    kahan_gradients: bool = False
+    kahan_momentum: bool = False
+    softplus_fix: bool = False
+    normal_fix: bool = False
+    fp32_accumulate: bool = False
+    init_scale: float = 1e4
+    growth_interval: int = 10_000
+    adam_eps: float = 1e-8
+    target_scale: float = 1e4
+
+    @classmethod
+    def from_config(cls, cfg: Any, device_type: str) -> PrecisionPolicy:
+        """Resolve ``cfg.precision`` and ``cfg.lowp`` for a device type ("cpu", "cuda", ...)."""
+        mode = cfg.precision
+        switches = dict(_MODE_DEFAULTS[mode])
+        if cfg.lowp.get("all") is not None:
+            switches = dict.fromkeys(SIX, bool(cfg.lowp.all))
+        for name in SIX:
+            if cfg.lowp[name] is not None:
+                switches[name] = bool(cfg.lowp[name])
+        low = mode in ("fp16", "bf16")
+        fp32_accumulate = cfg.lowp.fp32_accumulate
+        if fp32_accumulate is None:
+            fp32_accumulate = low and device_type == "cpu"
+        return cls(
+            mode=mode,
+            device_type=device_type,
+            fp32_accumulate=bool(fp32_accumulate) and low,
+            init_scale=cfg.lowp.init_scale,
+            growth_interval=cfg.lowp.growth_interval,
+            adam_eps=cfg.lowp.adam_eps_scaled if switches["loss_scaling"] else cfg.agent.adam_eps,
+            target_scale=cfg.lowp.target_scale,
+            **switches,
+        )
+
+    # --- dtypes -------------------------------------------------------------------------------
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of every parameter, target copy and optimizer state tensor."""
+        return _PARAM_DTYPE[self.mode]
+
+    @property
+    def is_pure_low(self) -> bool:
+        return self.mode in ("fp16", "bf16")
+
+    def cast_module(self, module: nn.Module) -> nn.Module:
+        return module.to(self.param_dtype)
+
+    def cast_input(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Observations (uint8 pixels or fp32 states) and batch floats enter the model dtype once."""
+        return tensor.to(self.param_dtype)
+
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """Wraps every forward pass: autocast for AMP, tensor-core emulation on a CPU, else nothing."""
+        if self.mode == "amp":
+            return torch.autocast(self.device_type, dtype=torch.float16)
+        if self.fp32_accumulate:
+            return lowp.fp32_accumulate()
+        return contextlib.nullcontext()
+
+    # --- builders -----------------------------------------------------------------------------
+    def make_optimizer(self, params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float],
+                       kahan: bool) -> torch.optim.Optimizer:
+        """hAdam or torch Adam; ``kahan`` asks for the compensated update (critic and alpha only,
+        as the authors ran it) and takes effect when ``lowp.kahan_gradients`` is on."""
+        use_kahan = kahan and self.kahan_gradients
+        if self.hadam:
+            return lowp.HAdam(params, lr=lr, betas=betas, eps=self.adam_eps, kahan=use_kahan)
+        if use_kahan:
+            return lowp.KahanAdam(params, lr=lr, betas=betas, eps=self.adam_eps)
+        # foreach keeps the elementwise Adam math in the parameter dtype on every device
+        return torch.optim.Adam(params, lr=lr, betas=betas, eps=self.adam_eps, foreach=True)
+
+    def make_scaler(self) -> Scaler:
+        if self.loss_scaling:
+            return lowp.CompoundLossScaler(init_scale=self.init_scale, growth_interval=self.growth_interval)
+        if self.mode == "amp":
+            return torch.amp.GradScaler(self.device_type)
+        return None
+
+    def make_target_updater(self, source: nn.Module, target: nn.Module) -> lowp.KahanEMA:
+        """Soft target update: Kahan-momentum with the xK scaled copy, or the plain EMA."""
+        return lowp.KahanEMA(source, target, scale=self.target_scale, compensated=self.kahan_momentum)
+
+    def distribution(self, mu: torch.Tensor, log_std: torch.Tensor) -> lowp.SquashedNormal:
+        """The tanh-squashed Gaussian policy.
+
+        With normal-fix the log-density of a sampled action is evaluated as
+        ``-0.5·ε² - log σ - 0.5·log 2π`` from the cached noise ε and log σ itself: the same value
+        and gradients as the divide-before-square form, without its two gradient paths of size
+        ``|ε|/σ`` that cancel -- each overflows fp16 under loss scaling once σ is small (DrQ lets
+        log σ reach -10). Without it: σ = exp(log σ) and torch's ``-(x-μ)²/(2σ²)`` form.
+        """
+        if self.normal_fix:
+            return lowp.SquashedNormal(mu, log_scale=log_std, softplus_fix=self.softplus_fix,
+                                       normal_fix=True, noise_form=True)
+        return lowp.SquashedNormal(mu, log_std.exp(), softplus_fix=self.softplus_fix, normal_fix=False)
+
+    # --- one optimizer step -------------------------------------------------------------------
+    def backward_and_step(
+        self,
+        loss: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        scaler: Scaler,
+        backward: Callable[[torch.Tensor], None],
+        reduce_found_inf: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> bool:
+        """Backward ``loss`` through ``backward`` and step ``optimizer``; True if the step was taken.
+
+        With compound loss scaling the scaled gradient goes straight into hAdam (the scale lives
+        in the optimizer state); with AMP, torch's GradScaler unscales in fp32 and skips on inf.
+        """
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is None:
+            backward(loss)
+            optimizer.step()
+            return True
+        backward(scaler.scale(loss))
+        if isinstance(scaler, lowp.CompoundLossScaler):
+            return scaler.step(optimizer, reduce_found_inf=reduce_found_inf)
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        return scaler.get_scale() >= before
+
+    def describe(self) -> str:
+        on = [name for name in SIX if getattr(self, name)]
+        extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""
+        mods = f"; modifications: {', '.join(on) if on else 'none'}" if self.mode != "amp" else "; torch autocast + GradScaler"
+        return f"precision {self.mode}: parameters {str(self.param_dtype).removeprefix('torch.')}{mods}{extra}"
+
+
+def tensors_not_in(dtype: torch.dtype, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
+    """Names of floating parameters, buffers and optimizer-state tensors whose dtype is not ``dtype``
+    (empty in a truly pure run: no fp32 master copies anywhere)."""
+    wrong = [f"{name} ({t.dtype})" for name, t in [*module.named_parameters(), *module.named_buffers()]
+             if t.is_floating_point() and t.dtype != dtype]
+    for i, opt in enumerate(optimizers):
+        for state in opt.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0 and value.dtype != dtype:
+                    wrong.append(f"optimizer {i} {key} ({value.dtype})")
+    return wrong

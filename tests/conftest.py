@@ -1,0 +1,23 @@
+"""Shared test settings: headless rendering, few threads, small sizes."""
+
+import os
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+# Tiny but complete configuration for CPU tests: same code paths as a full run.
+TINY = [
+    "task=cartpole_swingup", "env.image_size=32", "env.episode_frames=64", "replay.capacity=400",
+    "agent.batch_size=8", "agent.num_filters=8", "agent.feature_dim=16", "agent.hidden_dim=32",
+    "train.seed_steps=16", "train.env_frames=320", "train.eval_every_frames=160",
+    "train.eval_episodes=1", "train.log_every_updates=4", "trainer.enable_progress_bar=false",
+]
+
+
+@pytest.fixture
+def tiny_overrides() -> list[str]:
+    return list(TINY)

@@ -1,0 +1,152 @@
+"""The SAC module: one update on a synthetic batch, in each precision mode."""
+
+import copy
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from pixelsac.config import load_config, to_plain
+from pixelsac.module import SACModule
+from pixelsac.precision import tensors_not_in
+
+OBS_SHAPE = (9, 24, 24)
+ACTION_DIM = 2
+
+
+def make_module(*overrides: str) -> SACModule:
+    cfg = load_config(["env.image_size=24", "agent.num_filters=4", "agent.feature_dim=8", "agent.hidden_dim=16",
+                       "agent.batch_size=4", "train.log_every_updates=1", *overrides])
+    return SACModule(to_plain(cfg), OBS_SHAPE, ACTION_DIM)
+
+
+def make_batch(batch_size: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "obs": torch.randint(0, 256, (batch_size, *OBS_SHAPE), generator=g, dtype=torch.uint8),
+        "next_obs": torch.randint(0, 256, (batch_size, *OBS_SHAPE), generator=g, dtype=torch.uint8),
+        "action": torch.rand(batch_size, ACTION_DIM, generator=g) * 2 - 1,
+        "reward": torch.rand(batch_size, 1, generator=g),
+        "not_terminal": torch.ones(batch_size, 1),
+    }
+
+
+def moved(module: SACModule, trainer: L.Trainer, before: dict[str, torch.Tensor], name: str) -> bool:
+    """The parameter changed, or (Kahan update) its compensation holds a sub-ulp step."""
+    param = dict(module.named_parameters())[name]
+    if not torch.equal(before[name], param):
+        return True
+    for opt in trainer.optimizers:
+        comp = opt.state.get(param, {}).get("kahan_comp")
+        if comp is not None and bool(comp.ne(0).any()):
+            return True
+    return False
+
+
+def fit(module: SACModule, batches: list[dict]) -> L.Trainer:
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+    return trainer
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_one_fp32_update_changes_every_parameter():
+    torch.manual_seed(0)
+    module = make_module("precision=fp32")
+    before = snapshot(module)
+    fit(module, [make_batch()])
+    after = module.state_dict()
+    assert module.updates == 1
+    for name, value in module.named_parameters():
+        assert not torch.equal(before[name], value), f"{name} did not change"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "amp+fixes"])
+def test_updates_change_parameters_and_keep_losses_finite(precision):
+    """A few updates: loss scalers may skip the first steps on overflow (AMP's GradScaler starts
+    at 65536) and a Kahan-compensated step smaller than half an ulp of log_alpha first lands in
+    the compensation buffer -- both by design."""
+    torch.manual_seed(0)
+    overrides = ["precision=amp", "lowp.normal_fix=true", "lowp.softplus_fix=true"] if precision == "amp+fixes" \
+        else [f"precision={precision}"]
+    module = make_module(*overrides)
+    before = snapshot(module)
+    trainer = fit(module, [make_batch(seed=i) for i in range(16)])
+    after = module.state_dict()
+    assert module.updates == 16
+    assert module.skipped["critic"] < 4 and module.skipped["actor"] < 4, module.skipped
+    for name in ("critic.trunk.convs.0.weight", "critic.q1.0.weight", "actor.policy.0.weight", "log_alpha"):
+        assert moved(module, trainer, before, name), f"{name} did not change"
+    target_changed = [k for k in before if k.startswith("critic_target.") and not torch.equal(before[k], after[k])]
+    assert target_changed, "the target critic did not move"
+    for key, value in module.metrics.items():
+        assert torch.isfinite(value).all(), f"{key} = {value}"
+    assert set(module.metrics) >= {"critic_loss", "actor_loss", "alpha_loss", "entropy", "alpha"}
+    for name, tensor in after.items():
+        if tensor.is_floating_point():
+            assert torch.isfinite(tensor).all(), name
+
+
+def test_plain_amp_actor_overflows_as_the_paper_reports():
+    """Standard mixed precision: autocast leaves the Gaussian log-density's elementwise ops in
+    fp16, whose backward overflows; GradScaler then skips every actor step (paper, §AMP). The
+    same run with normal-fix and softplus-fix steps (previous test)."""
+    torch.manual_seed(0)
+    module = make_module("precision=amp")
+    before = snapshot(module)
+    fit(module, [make_batch(seed=i) for i in range(16)])
+    assert module.skipped["actor"] == 8
+    assert torch.equal(before["actor.policy.0.weight"], module.state_dict()["actor.policy.0.weight"])
+    assert module.skipped["critic"] < 4
+
+
+def test_actor_loss_does_not_train_the_convolutions():
+    torch.manual_seed(0)
+    module = make_module("precision=fp32")
+    fit(module, [])  # sets the trainer up without an update
+    obs = module.precision_policy.cast_input(make_batch()["obs"])
+    actor_loss, _, _ = module.actor_and_alpha_loss(obs)
+    actor_loss.backward()
+    assert all(p.grad is None for p in module.critic.trunk.parameters())
+    assert any(p.grad is not None for p in module.actor.parameters())
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_pure_low_precision_has_no_fp32_tensor_anywhere(precision, dtype):
+    torch.manual_seed(0)
+    module = make_module(f"precision={precision}")
+    trainer = fit(module, [make_batch(), make_batch(seed=1)])
+    assert tensors_not_in(dtype, module, trainer.optimizers) == []
+    assert module.log_alpha.dtype == dtype
+
+
+def test_act_is_bounded_and_deterministic_without_sampling():
+    module = make_module("precision=fp32")
+    obs = np.random.default_rng(0).integers(0, 256, (3, *OBS_SHAPE), dtype=np.uint8)
+    a1, a2 = module.act(obs, sample=False), module.act(obs, sample=False)
+    assert a1.shape == (3, ACTION_DIM) and a1.dtype == np.float32
+    assert np.array_equal(a1, a2) and np.abs(a1).max() <= 1.0
+    assert not np.array_equal(module.act(obs, sample=True), a1)
+
+
+def test_critic_uses_k_target_copies_and_m_q_copies():
+    module = make_module("precision=fp32", "agent.aug_target_copies=3", "agent.aug_q_copies=2")
+    calls = []
+    real = module.augment.copies
+
+    def spy(images, n):
+        out = real(images, n)
+        calls.append((images.data_ptr(), n, out.shape[0]))
+        return out
+
+    module.augment.copies = spy
+    batch = {k: v.float() for k, v in make_batch().items()}
+    loss, _ = module.critic_loss(batch["obs"], batch["action"], batch["reward"], batch["not_terminal"], batch["next_obs"])
+    assert calls == [(batch["next_obs"].data_ptr(), 3, 12), (batch["obs"].data_ptr(), 2, 8)]
+    assert torch.isfinite(loss)

@@ -1,0 +1,74 @@
+"""The command line, end to end: a tiny real run, and bad input refused with exit code 2."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "pixelsac.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_logs_config_and_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(*TINY, "precision=fp32", f"run_dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replay buffer:" in result.stdout and "done:" in result.stdout
+    assert (run_dir / "config.yaml").is_file()
+    assert "cartpole_swingup" in (run_dir / "config.yaml").read_text()
+    csv = (run_dir / "metrics.csv").read_text().splitlines()
+    header = csv[0].split(",")
+    for column in ("env_frames", "agent_steps", "updates", "train/critic_loss", "train/actor_loss", "train/alpha",
+                   "train/entropy", "train/episode_return", "eval/return"):
+        assert column in header, column
+    assert len(csv) > 3
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert last.is_file() and (run_dir / "checkpoints" / "best.ckpt").is_file()
+    checkpoint = torch.load(last, map_location="cpu", weights_only=False)
+    assert checkpoint["pixelsac"]["updates"] > 0
+    assert len(checkpoint["optimizer_states"]) == 3
+    assert checkpoint["hyper_parameters"]["config"]["task"] == "cartpole_swingup"
+    # 320 env frames at repeat 8 = 40 agent steps; 16 seed steps -> 24 updates
+    assert checkpoint["pixelsac"]["updates"] == 24
+
+
+@pytest.mark.parametrize("args,message", [
+    (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
+    (["agent.batch_size=big"], "has the wrong type"),
+    (["agent.batch_size=0"], "must be positive"),
+    (["task=cheeta_run"], "unknown task 'cheeta_run' (did you mean 'cheetah_run'?)"),
+    (["precision=fp64"], "unknown precision"),
+    (["trainer.accelerator=tpu-nope"], "invalid trainer settings"),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, message):
+    result = run_cli(*args, "run_dir=out", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_run_dir_is_not_clobbered(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("precious")
+    result = run_cli(*TINY, "run_dir=out", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "already exists" in result.stderr and "overwrite=true" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
+
+
+def test_help_exits_0(tmp_path):
+    result = run_cli("--help", cwd=tmp_path)
+    assert result.returncode == 0 and "python -m pixelsac.train" in result.stdout
