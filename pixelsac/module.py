@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pixelsac.augment import RandomShift
+from pixelsac.checkpoint import FORMAT_VERSION
 from pixelsac.config import from_plain
 from pixelsac.nets import build_networks
 from pixelsac.precision import PrecisionPolicy
@@ -88,6 +89,7 @@ class SACModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["pixelsac"] = {
+            "format": FORMAT_VERSION,
             "updates": self.updates,
             "skipped": dict(self.skipped),
             "scalers": {name: s.state_dict() for name, s in self.scalers.items() if s is not None},

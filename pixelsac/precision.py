@@ -195,3 +195,40 @@ def tensors_not_in(dtype: torch.dtype, module: nn.Module, optimizers: Iterable[t
                 if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 0 and value.dtype != dtype:
                     wrong.append(f"optimizer {i} {key} ({value.dtype})")
     return wrong
+
+
+def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
+    """Bytes held by the learner's persistent state, by kind.
+
+    ``parameters``: learnable tensors (actor, critic, log_alpha); ``optimizer``: every tensor in
+    the optimizers' state (moments, root moments, Kahan buffers); ``target``: the target
+    critic plus the Kahan-momentum scaled copy and its compensation buffer (any buffer of the
+    module). Replay memory is reported separately: fp16 does not shrink uint8 frames.
+    """
+    def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+        seen, total = set(), 0
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    opt_state = [v for opt in optimizers for st in opt.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dim() > 0]
+    sizes = {"parameters": nbytes(params), "optimizer": nbytes(opt_state), "target": nbytes(frozen + buffers)}
+    sizes["total"] = sum(sizes.values())
+    return sizes
+
+
+def materialize_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Allocate optimizers' lazily created state by one step on zero gradients (the update is
+    zero, so parameters do not move); for measuring memory before training."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)

@@ -72,3 +72,19 @@ def test_existing_run_dir_is_not_clobbered(tmp_path):
 def test_help_exits_0(tmp_path):
     result = run_cli("--help", cwd=tmp_path)
     assert result.returncode == 0 and "python -m pixelsac.train" in result.stdout
+
+
+@pytest.mark.slow
+def test_tiny_fp16_run_ends_with_finite_fp16_weights(tmp_path):
+    run_dir = tmp_path / "run16"
+    result = run_cli(*TINY, f"run_dir={run_dir}", cwd=tmp_path)  # precision defaults to fp16 + six
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "precision fp16" in result.stdout and "warning: fp16 on a CPU" in result.stdout
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    weights = {k: v for k, v in checkpoint["state_dict"].items() if v.is_floating_point()}
+    assert weights and all(v.dtype == torch.float16 for v in weights.values())
+    assert all(torch.isfinite(v).all() for v in weights.values())
+    scalers = checkpoint["pixelsac"]["scalers"]
+    assert set(scalers) == {"critic", "actor", "alpha"}
+    header = (run_dir / "metrics.csv").read_text().splitlines()[0]
+    assert "lowp/loss_scale_critic" in header and "lowp/skipped_critic" in header
