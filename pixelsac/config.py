@@ -53,7 +53,8 @@ _LOWER_BOUNDS: dict[str, float] = {
     "agent.aug_q_copies": 1, "agent.critic_target_update_every": 1, "agent.actor_update_every": 1,
     "train.env_frames": 1, "train.seed_steps": 0, "train.updates_per_step": 0,
     "train.eval_every_frames": 1, "train.eval_episodes": 0, "train.log_every_updates": 1,
-    "train.num_threads": 1, "lowp.init_scale": 1e-30, "lowp.growth_interval": 1,
+    "train.num_threads": 1, "train.video_every_evals": 0, "train.video_size": 16,
+    "perf.calibrate_updates": 0, "perf.warmup_updates": 0, "lowp.init_scale": 1e-30, "lowp.growth_interval": 1,
     "lowp.adam_eps_scaled": 1e-30, "lowp.target_scale": 1e-30, "agent.lr": 1e-30,
     "agent.adam_eps": 1e-30, "agent.init_temperature": 1e-30, "agent.critic_tau": 1e-30,
 }
