@@ -36,7 +36,12 @@ class Episode:
 
 
 class Collector:
-    """Steps one environment and fills the replay buffer; owns the step counters."""
+    """Steps one environment and fills the replay buffer; owns the step counters.
+
+    A new episode starts lazily, at the first step after the previous one ended, so between
+    episodes (:attr:`at_episode_boundary`) the whole collection state is a few counters and RNG
+    states: that is where checkpoints meant for exact resumption are taken.
+    """
 
     def __init__(self, env: DMCEnv, replay: ReplayBuffer, act: ActFn, seed_steps: int,
                  rng: np.random.Generator) -> None:
@@ -49,17 +54,18 @@ class Collector:
         self.finished: list[Episode] = []  # drained by the logging callback
         self._episode_return = 0.0
         self._episode_length = 0
-        self._timestep = None
+        self._timestep = None  # None between episodes
 
-    def _reset(self) -> None:
-        self._timestep = self.env.reset()
-        self.replay.add_first(self._timestep.frame)
-        self._episode_return, self._episode_length = 0.0, 0
+    @property
+    def at_episode_boundary(self) -> bool:
+        return self._timestep is None
 
     def step(self) -> None:
         """One agent step: choose an action, step the env, store the transition."""
         if self._timestep is None:
-            self._reset()
+            self._timestep = self.env.reset()
+            self.replay.add_first(self._timestep.frame)
+            self._episode_return, self._episode_length = 0.0, 0
         if self.agent_steps < self.seed_steps:
             action = self.rng.uniform(-1.0, 1.0, size=self.env.action_dim).astype(np.float32)
         else:
@@ -74,11 +80,27 @@ class Collector:
         if timestep.last:
             self.episodes += 1
             self.finished.append(Episode(self.env_frames, self._episode_return, self._episode_length))
-            self._reset()
+            self._timestep = None
 
     def drain_episodes(self) -> list[Episode]:
         done, self.finished = self.finished, []
         return done
+
+    def state_dict(self) -> dict:
+        """Counters and RNG states (plain containers). Taken mid-episode, a resume starts a new
+        episode: only states taken at an episode boundary resume bit for bit."""
+        return {
+            "agent_steps": self.agent_steps, "env_frames": self.env_frames, "episodes": self.episodes,
+            "rng": self.rng.bit_generator.state, "env_rng": self.env.get_rng_state(),
+            "at_episode_boundary": self.at_episode_boundary,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.agent_steps, self.env_frames = int(state["agent_steps"]), int(state["env_frames"])
+        self.episodes = int(state["episodes"])
+        self.rng.bit_generator.state = state["rng"]
+        self.env.set_rng_state(state["env_rng"])
+        self._timestep, self.finished = None, []
 
 
 class ExperienceStream(IterableDataset):
@@ -93,6 +115,11 @@ class ExperienceStream(IterableDataset):
         self.total_agent_steps = total_agent_steps
         self.updates_per_step = updates_per_step
         self.rng = rng
+
+    @property
+    def exhausted(self) -> bool:
+        """The budget is collected: an iteration now yields nothing."""
+        return self.collector.agent_steps >= self.total_agent_steps
 
     def __len__(self) -> int:
         """Batches still to come (the progress bar's total)."""

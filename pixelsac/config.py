@@ -31,6 +31,7 @@ OBS_KINDS = ("pixels", "state")
 NULLABLE: dict[str, type] = {
     "preset": str,
     "run_dir": str,
+    "resume": str,
     "lowp.all": bool,
     "lowp.hadam": bool,
     "lowp.loss_scaling": bool,
@@ -55,7 +56,7 @@ _LOWER_BOUNDS: dict[str, float] = {
     "train.eval_every_frames": 1, "train.eval_episodes": 0, "train.log_every_updates": 1,
     "train.num_threads": 1, "train.video_every_evals": 0, "train.video_size": 16,
     "perf.calibrate_updates": 0, "perf.warmup_updates": 0, "lowp.init_scale": 1e-30, "lowp.growth_interval": 1,
-    "lowp.adam_eps_scaled": 1e-30, "lowp.target_scale": 1e-30, "agent.lr": 1e-30,
+    "lowp.adam_eps_scaled": 1e-30, "safety.min_loss_scale": 0.0, "lowp.target_scale": 1e-30, "agent.lr": 1e-30,
     "agent.adam_eps": 1e-30, "agent.init_temperature": 1e-30, "agent.critic_tau": 1e-30,
 }
 _UNIT_INTERVAL = ("agent.discount", "agent.critic_tau", "agent.beta1", "agent.beta2")
@@ -141,8 +142,9 @@ def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
                 f"unknown Lightning Trainer argument {rest!r}{_suggest(rest, _trainer_keys())}; "
                 "trainer.* takes the arguments of lightning.Trainer (e.g. trainer.devices=2)"
             )
-        if rest in ("logger", "callbacks", "enable_checkpointing", "default_root_dir", "precision"):
-            raise ConfigError(f"trainer.{rest} is set by pixelsac itself (use run_dir=..., precision=...)")
+        if rest in ("logger", "callbacks", "enable_checkpointing", "default_root_dir", "precision", "max_epochs"):
+            raise ConfigError(f"trainer.{rest} is set by pixelsac itself (use run_dir=..., precision=..., "
+                              "train.env_frames=...)")
         OmegaConf.update(cfg, key, value, force_add=True)
         return
     default = OmegaConf.select(defaults, key, default="__missing__")
@@ -161,19 +163,37 @@ def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
     OmegaConf.update(cfg, key, _check_type(key, value, expected))
 
 
+#: What may change when a run is resumed: budgets, logging, hardware, safety -- not the agent,
+#: its environment or its precision, which the checkpoint's weights and replay are tied to.
+RESUMABLE = ("train.", "trainer.", "perf.", "safety.", "checkpoint.", "trust_checkpoint", "resume", "overwrite")
+
+
 def load_config(
     overrides: Sequence[str] = (),
     valid_tasks: Iterable[str] | None = None,
     conf: Path | None = None,
+    base: dict[str, Any] | None = None,
 ) -> DictConfig:
     """Compose and validate a run configuration.
 
     ``valid_tasks`` (the dm_control suite task names) lets an unknown task be refused here, with
-    suggestions, instead of later when the environment is built.
+    suggestions, instead of later when the environment is built. ``base`` is a stored run's
+    configuration to continue from (resume): overrides then apply to it, and only the keys in
+    :data:`RESUMABLE` may change.
     """
     conf = conf or conf_dir()
     defaults = _load_yaml(conf / "config.yaml")
     given = parse_overrides(overrides)
+    if base is not None:
+        cfg = OmegaConf.merge(defaults, OmegaConf.create(base))  # keys added since it was saved
+        for key, value in given.items():
+            if not key.startswith(RESUMABLE):
+                raise ConfigError(f"{key} cannot change when resuming (the checkpoint was trained with "
+                                  f"{key}={OmegaConf.select(cfg, key)!r}); start a new run instead")
+            _apply(cfg, key, value, defaults)
+        validate(cfg)
+        OmegaConf.set_readonly(cfg, True)
+        return cfg
 
     preset = given.get("preset", defaults.get("preset"))
     preset_cfg = None

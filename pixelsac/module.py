@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -40,6 +41,25 @@ from pixelsac.nets import build_networks
 from pixelsac.precision import PrecisionPolicy
 
 LOSSES = ("critic", "actor", "alpha")
+
+
+class NumericalFailure(RuntimeError):
+    """Training stopped because weights went non-finite or a loss scale collapsed.
+
+    ``weights_finite`` tells whether the current state is still worth saving; the checkpoint
+    callback fills in ``env_frames`` and ``checkpoint`` (the last good state on disk).
+    """
+
+    def __init__(self, message: str, weights_finite: bool) -> None:
+        super().__init__(message)
+        self.weights_finite = weights_finite
+        self.env_frames: int | None = None
+        self.checkpoint: str | None = None
+
+    def __str__(self) -> str:
+        where = f" at env frame {self.env_frames}" if self.env_frames is not None else ""
+        saved = f"; last good checkpoint: {self.checkpoint}" if self.checkpoint else "; no good checkpoint was written"
+        return f"{self.args[0]}{where}{saved}"
 
 
 class SACModule(L.LightningModule):
@@ -172,9 +192,14 @@ class SACModule(L.LightningModule):
         if not taken:
             self.skipped[name] += 1
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def training_step(self, dataloader_iter: Iterator) -> None:
+        """One update. Taking the iterator (rather than a batch) turns off Lightning's one-batch
+        prefetch: the experience stream collects an agent step when a batch is drawn, so a
+        prefetch would act with stale weights and make a checkpoint miss one step's work."""
+        batch, _, _ = next(dataloader_iter)  # StopIteration ends the epoch: the budget is spent
         agent = self.cfg.agent
         cast = self.precision_policy.cast_input
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         obs, next_obs = cast(batch["obs"]), cast(batch["next_obs"])
         action, reward, not_terminal = cast(batch["action"]), cast(batch["reward"]), cast(batch["not_terminal"])
         critic_opt, actor_opt, alpha_opt = self.optimizers()
@@ -197,6 +222,34 @@ class SACModule(L.LightningModule):
         if self.updates % self.cfg.train.log_every_updates == 0:
             metrics.update(self._actor_metrics, alpha=self.alpha.detach())
             self.metrics = metrics  # read (and synchronised) by the logging callback
+            self.check_health(metrics)
+
+    # --- numerical health ---------------------------------------------------------------------
+    def _groups(self) -> dict[str, list[torch.Tensor]]:
+        return {"critic": list(self.critic.parameters()), "actor": list(self.actor.parameters()),
+                "temperature": [self.log_alpha], "target critic": list(self.critic_target.parameters())}
+
+    def weights_are_finite(self) -> bool:
+        return all(bool(torch.stack([p.isfinite().all() for p in ps]).all()) for ps in self._groups().values())
+
+    def check_health(self, metrics: dict[str, torch.Tensor]) -> None:
+        """Stop (raise :class:`NumericalFailure`) on non-finite weights or a collapsed loss scale.
+
+        Runs at the logging interval, where the host synchronises anyway; never continue on NaNs.
+        """
+        scales = ", ".join(f"{n}={s:g}" for n, s in self.loss_scales().items())
+        bad = [name for name, ps in self._groups().items() if not bool(torch.stack([p.isfinite().all() for p in ps]).all())]
+        if bad:
+            losses = ", ".join(f"{k}={float(v):.4g}" for k, v in metrics.items() if k.endswith("loss"))
+            raise NumericalFailure(f"non-finite {' and '.join(bad)} weights after update {self.updates} "
+                                   f"(losses {losses}; loss scales {scales})", weights_finite=False)
+        floor = self.cfg.safety.min_loss_scale
+        for name, scaler in self.scalers.items():
+            if scaler is not None and self.loss_scales()[name] < floor:
+                raise NumericalFailure(
+                    f"the {name} loss scale collapsed below safety.min_loss_scale={floor:g} after update "
+                    f"{self.updates} ({self.skipped[name]} skipped {name} steps; loss scales {scales})",
+                    weights_finite=True)
 
     def loss_scales(self) -> dict[str, float]:
         """Current loss scale per loss (1.0 where no scaler runs)."""

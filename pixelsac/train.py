@@ -3,16 +3,20 @@
     python -m pixelsac.train task=cheetah_run
     python -m pixelsac.train preset=tiny precision=fp32 seed=3
     python -m pixelsac.train task=walker_walk agent.batch_size=256 trainer.devices=2
+    python -m pixelsac.train resume=runs/cheetah_run/RUN train.env_frames=1000000
 
 Arguments are ``key=value`` overrides of ``conf/config.yaml`` (see the README). A mistake in
-them, an unknown task or a missing OpenGL library is reported in one line with exit code 2,
-before anything is written.
+them, an unknown task, a missing OpenGL library or an unusable checkpoint is reported in one
+line with exit code 2, before anything is written. A run stopped by a numerical failure (non-
+finite weights, a collapsed loss scale) exits with code 3 after saying why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
 import datetime
+import json
 import logging
 import sys
 import warnings
@@ -26,6 +30,8 @@ import numpy as np
 from pixelsac.config import ConfigError, load_config, to_plain
 
 USAGE = __doc__
+EXIT_BAD_INPUT = 2
+EXIT_NUMERICAL_FAILURE = 3
 
 
 class UsageError(ValueError):
@@ -45,6 +51,7 @@ class Run:
     collector: Any
     stream: Any
     trainer: Any
+    resume_from: Path | None = None  # the checkpoint a resumed run continues from
 
 
 @contextlib.contextmanager
@@ -56,7 +63,8 @@ def _quiet_lightning() -> Iterator[None]:
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     with warnings.catch_warnings():
         for pattern in ("does not have many workers", "IterableDataset", "exists and is not empty",
-                        "LeafSpec", "Total length of `DataLoader`"):
+                        "LeafSpec", "Total length of `DataLoader`", "resuming from a checkpoint that ended",
+                        "dataloader_iter"):
             warnings.filterwarnings("ignore", message=f".*{pattern}.*")
         yield
 
@@ -66,23 +74,49 @@ def default_run_dir(cfg: Any) -> Path:
     return Path("runs") / cfg.task / f"{stamp}_{cfg.precision}_s{cfg.seed}"
 
 
-def build_run(cfg: Any) -> Run:
+def resolve_config(argv: list[str]) -> tuple[Any, Path | None, int | None]:
+    """The run's configuration and, for ``resume=...``, the checkpoint it continues from and the
+    env frame it was taken at.
+
+    A resumed run takes the checkpoint's configuration (overridable only in budgets, logging,
+    hardware and safety keys) and writes into the checkpoint's run directory.
+    """
+    from pixelsac import checkpoint as ckpt
+    from pixelsac.config import parse_overrides
+    from pixelsac.envs import available_tasks
+
+    given = parse_overrides(argv)
+    if given.get("resume") is None:
+        return load_config(argv, valid_tasks=available_tasks()), None, None
+    file = ckpt.resolve(str(given["resume"]), prefer="last")
+    stored = ckpt.load(file, trust=bool(given.get("trust_checkpoint", False)))
+    base = dict(stored["hyper_parameters"]["config"])
+    base["run_dir"] = str(file.parent.parent if file.parent.name == "checkpoints" else file.parent)
+    cfg = load_config(argv, valid_tasks=available_tasks(), base=base)
+    try:
+        frames = int(stored["callbacks"]["Checkpointer"]["collector"]["env_frames"])
+    except (KeyError, TypeError):
+        raise ckpt.CheckpointError(f"{file} holds no training state to resume from") from None
+    return cfg, file, frames
+
+
+def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing."""
     import lightning as L
     import torch
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from torch.utils.data import DataLoader
 
-    from pixelsac.callbacks import Evaluator, ProgressBar, TrainingLogger
+    from pixelsac.callbacks import Checkpointer, Evaluator, ProgressBar, StopWhenCollected, TrainingLogger
     from pixelsac.collect import Collector, ExperienceStream
     from pixelsac.envs import DMCEnv
     from pixelsac.module import SACModule
     from pixelsac.replay import ReplayBuffer
 
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())) and not cfg.overwrite:
+    if resume_from is None and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())) \
+            and not cfg.overwrite:
         raise UsageError(f"run directory {run_dir} already exists and is not empty; "
-                         "choose another run_dir=... or pass overwrite=true")
+                         "choose another run_dir=..., pass overwrite=true, or resume=" + str(run_dir))
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     L.seed_everything(cfg.seed, verbose=False)
@@ -91,8 +125,8 @@ def build_run(cfg: Any) -> Run:
                       action_repeat=cfg.env.action_repeat, camera_id=cfg.env.camera_id,
                       episode_frames=cfg.env.episode_frames)
     env = DMCEnv(cfg.task, seed=cfg.seed, **env_kwargs)
-    env.reset()  # renders once: a missing GL library fails here, before anything is written
     eval_env = DMCEnv(cfg.task, seed=cfg.seed + 100_000, **env_kwargs)
+    eval_env.render(16)  # a missing GL library fails here, before anything is written (no RNG drawn)
 
     replay = ReplayBuffer(cfg.replay.capacity, env.frame_shape, env.frame_dtype, env.frame_stack, env.action_dim)
     module = SACModule(to_plain(cfg), env.obs_shape, env.action_dim)
@@ -101,20 +135,47 @@ def build_run(cfg: Any) -> Run:
     total_agent_steps = -(-cfg.train.env_frames // env.action_repeat)
     stream = ExperienceStream(collector, cfg.agent.batch_size, total_agent_steps, cfg.train.updates_per_step, rng)
 
-    loggers = [CSVLogger(run_dir, name="", version=""), TensorBoardLogger(run_dir, name="tb", version="")]
+    checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay)
     callbacks = [TrainingLogger(collector), ProgressBar(collector),
-                 Evaluator(eval_env, collector, run_dir, cfg.train.eval_every_frames, cfg.train.eval_episodes)]
+                 Evaluator(eval_env, collector, checkpointer, cfg.train.eval_every_frames, cfg.train.eval_episodes),
+                 checkpointer, StopWhenCollected(stream)]
     trainer_args = dict(cfg.trainer)
     if not trainer_args.get("enable_progress_bar", True):
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     try:
         with _quiet_lightning():
-            trainer = L.Trainer(**trainer_args, precision="32-true", logger=loggers, callbacks=callbacks,
+            trainer = L.Trainer(**trainer_args, max_epochs=-1, precision="32-true", logger=False, callbacks=callbacks,
                                 enable_checkpointing=False, default_root_dir=run_dir)
     except Exception as exc:  # Lightning's own validation of accelerator/devices/strategy...
         raise UsageError(f"invalid trainer settings: {str(exc).splitlines()[0]}") from exc
-    stream_loader = DataLoader(stream, batch_size=None, num_workers=0)
-    return Run(cfg, run_dir, env, eval_env, replay, module, collector, stream_loader, trainer)
+    # its own generator: creating the loader's iterator must not draw from the global torch RNG,
+    # or a resumed run would diverge from the uninterrupted one
+    stream_loader = DataLoader(stream, batch_size=None, num_workers=0, generator=torch.Generator())
+    return Run(cfg, run_dir, env, eval_env, replay, module, collector, stream_loader, trainer, resume_from)
+
+
+def attach_loggers(run: Run, resume_frames: int | None) -> None:
+    """CSV (``metrics.csv``) and TensorBoard (``tb/``) loggers in the run directory. On resume
+    the CSV keeps its rows up to the checkpoint's frame (later ones were never checkpointed)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    metrics = run.run_dir / "metrics.csv"
+    kept_rows, header = [], []
+    if resume_frames is not None and metrics.is_file():
+        with open(metrics, newline="") as f:
+            reader = csv.DictReader(f)
+            header = list(reader.fieldnames or [])
+            kept_rows = [row for row in reader if row.get("step") and float(row["step"]) <= resume_frames]
+    csv_logger = CSVLogger(run.run_dir, name="", version="")
+    writer = csv_logger.experiment  # deletes an existing metrics.csv: the kept rows go back below
+    if header:
+        with open(metrics, "w", newline="") as f:
+            out = csv.DictWriter(f, fieldnames=header)
+            out.writeheader()
+            out.writerows(kept_rows)
+        writer.metrics_keys = sorted(header)
+    loggers = [csv_logger, TensorBoardLogger(run.run_dir, name="tb", version="")]
+    run.trainer.loggers = loggers  # the Trainer was built without them so that nothing was written early
 
 
 def write_run_dir(run: Run) -> None:
@@ -124,21 +185,35 @@ def write_run_dir(run: Run) -> None:
     OmegaConf.save(run.cfg, run.run_dir / "config.yaml", resolve=True)
 
 
-def train(cfg: Any) -> Run:
-    """Build, announce and fit a run."""
-    run = build_run(cfg)
+def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None = None) -> Run:
+    """Build, announce and fit a run (continuing from ``resume_from`` when given)."""
+    from pixelsac.module import NumericalFailure
+
+    run = build_run(cfg, resume_from)
     write_run_dir(run)
+    attach_loggers(run, resume_frames)
     policy = run.module.precision_policy
     print(f"run directory: {run.run_dir}")
+    if resume_from is not None:
+        print(f"resuming from {resume_from} at env frame {resume_frames}")
     device = run.trainer.strategy.root_device
     print(f"task {cfg.task} from {cfg.env.obs}, action repeat {run.env.action_repeat}; "
           f"{run.trainer.world_size} x {device.type}; {policy.describe()}")
     print(run.replay.describe())
-    if policy.is_pure_low and run.trainer.strategy.root_device.type == "cpu":
+    if policy.is_pure_low and device.type == "cpu":
         print(f"warning: {cfg.precision} on a CPU is emulated and several times slower than fp32; "
               "use a GPU for real runs (precision=fp32 for a fast CPU run)")
-    with _quiet_lightning():
-        run.trainer.fit(run.module, train_dataloaders=run.stream)
+    try:
+        with _quiet_lightning():
+            run.trainer.fit(run.module, train_dataloaders=run.stream,
+                            ckpt_path=str(resume_from) if resume_from else None,
+                            weights_only=not cfg.trust_checkpoint)
+    except NumericalFailure as failure:
+        (run.run_dir / "failure.json").write_text(json.dumps(
+            {"message": str(failure), "env_frames": failure.env_frames, "updates": run.module.updates,
+             "loss_scales": run.module.loss_scales(), "skipped": run.module.skipped,
+             "checkpoint": failure.checkpoint}, indent=2))
+        raise
     evaluator = next(c for c in run.trainer.callbacks if type(c).__name__ == "Evaluator")
     print(f"done: {run.collector.env_frames} env frames, {run.module.updates} updates, "
           f"best eval return {evaluator.best_return:.1f}; checkpoints in {run.run_dir / 'checkpoints'}")
@@ -150,14 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help", "help") for a in argv):
         print(USAGE)
         return 0
-    from pixelsac.envs import EnvError, available_tasks
+    from pixelsac.checkpoint import CheckpointError
+    from pixelsac.envs import EnvError
+    from pixelsac.module import NumericalFailure
 
     try:
-        cfg = load_config(argv, valid_tasks=available_tasks())
-        train(cfg)
-    except (ConfigError, EnvError, UsageError) as exc:
+        train(*resolve_config(argv))
+    except (ConfigError, EnvError, UsageError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except NumericalFailure as failure:
+        print(f"error: training stopped: {failure}", file=sys.stderr)
+        return EXIT_NUMERICAL_FAILURE
     return 0
 
 

@@ -13,8 +13,9 @@ from conftest import TINY
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(REPO)}
+def run_cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.CompletedProcess:
+    path = str(REPO) if extra_path is None else f"{REPO}{os.pathsep}{extra_path}"
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-m", "pixelsac.train", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 

@@ -1,0 +1,29 @@
+"""Test helper: run pixelsac.train, but hang inside the second save of last.ckpt -- after the
+new file is written under its temporary name, before it replaces the old one -- and touch a
+marker file, so the test can SIGKILL the process mid-save."""
+
+import sys
+import time
+from pathlib import Path
+
+import pixelsac.callbacks as callbacks
+
+marker = Path(sys.argv[1])
+real = callbacks._fsync_and_replace
+saves = {"last.ckpt": 0}
+
+
+def hanging_replace(tmp: Path, path: Path) -> None:
+    if path.name == "last.ckpt":
+        saves["last.ckpt"] += 1
+        if saves["last.ckpt"] == 2:
+            marker.write_text(str(tmp))
+            time.sleep(600)
+    real(tmp, path)
+
+
+callbacks._fsync_and_replace = hanging_replace
+
+from pixelsac.train import main  # noqa: E402
+
+sys.exit(main(sys.argv[2:]))

@@ -1,0 +1,176 @@
+"""Reliability: exact resume, crash safety, numerical failure, safe checkpoint loading."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY
+from test_train_cli import REPO, run_cli
+
+# TINY: 64-frame episodes at action repeat 8 (8 agent steps), 320 frames, evaluation every 160.
+HALF, FULL = 320, 640
+
+
+def weights(run_dir: Path, name: str = "last.ckpt") -> dict:
+    return torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path, precision):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    args = [*TINY, f"precision={precision}"]
+    assert run_cli(*args, f"train.env_frames={FULL}", f"run_dir={straight}", cwd=tmp_path).returncode == 0
+    first = run_cli(*args, f"train.env_frames={HALF}", f"run_dir={split}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_cli(f"resume={split}", f"train.env_frames={FULL}", "trainer.enable_progress_bar=false", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"resuming from {split / 'checkpoints' / 'last.ckpt'} at env frame {HALF}" in second.stdout
+
+    a, b = weights(straight), weights(split)
+    assert a["pixelsac"]["updates"] == b["pixelsac"]["updates"] > 0
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for key in a["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
+    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"]):
+        for idx, state in opt_a["state"].items():
+            for name, value in state.items():
+                other = opt_b["state"][idx][name]
+                assert torch.equal(value, other) if torch.is_tensor(value) else value == other, name
+    assert a["pixelsac"]["scalers"] == b["pixelsac"]["scalers"]
+    assert a["callbacks"]["Checkpointer"]["collector"] == b["callbacks"]["Checkpointer"]["collector"]
+    # the CSV continues: one row per evaluation, no duplicates
+    rows = (split / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    eval_frames = [r.split(",")[header.index("step")] for r in rows[1:] if r.split(",")[header.index("eval/return")]]
+    assert eval_frames == ["160", "320", "480", "640"]
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    run_dir, marker = tmp_path / "run", tmp_path / "saving"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "kill_during_save.py"), str(marker),
+                             *TINY, "precision=fp32", f"train.env_frames={FULL}", f"run_dir={run_dir}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no save"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert Path(marker.read_text()).is_file()  # the new checkpoint was cut off before its rename
+
+    previous = weights(run_dir)  # weights_only=True
+    # evaluation at frame 160 asked for it; it was written at the next episode boundary
+    assert previous["callbacks"]["Checkpointer"]["collector"]["env_frames"] == 192
+    replay_file = previous["callbacks"]["Checkpointer"]["replay_file"]
+    assert (run_dir / "checkpoints" / replay_file).is_file()
+
+    resumed = run_cli(f"resume={run_dir}", "trainer.enable_progress_bar=false", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    final = weights(run_dir)
+    assert final["callbacks"]["Checkpointer"]["collector"]["env_frames"] == FULL
+    assert all(torch.isfinite(v).all() for v in final["state_dict"].values() if v.is_floating_point())
+    assert [p.name for p in (run_dir / "checkpoints").glob("replay-*.pt")] == [final["callbacks"]["Checkpointer"]["replay_file"]]
+
+
+@pytest.mark.slow
+def test_collapsed_loss_scale_stops_with_message_and_loadable_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(*TINY, "precision=fp16", "safety.min_loss_scale=20000", f"run_dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 3, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: training stopped: the ") and "loss scale collapsed below safety.min_loss_scale=20000" in line
+    assert "after update" in line and "at env frame" in line and "loss scales critic=" in line
+    assert "last good checkpoint:" in line
+    state = weights(run_dir)  # written at the failure (weights still finite), loads safely
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point())
+    assert (run_dir / "failure.json").is_file()
+
+
+def test_nonfinite_weights_stop_the_run_and_are_never_checkpointed(tmp_path):
+    from test_module import fit, make_batch, make_module
+    from pixelsac.module import NumericalFailure
+
+    module = make_module("precision=fp32", "train.log_every_updates=1")
+    with torch.no_grad():
+        module.critic.q1[0].weight[0, 0] = float("nan")
+    with pytest.raises(NumericalFailure, match=r"non-finite critic .*weights after update 1 \(losses critic_loss="):
+        fit(module, [make_batch()])
+    assert not module.weights_are_finite()
+    from pixelsac.callbacks import Checkpointer
+
+    Checkpointer(tmp_path, collector=None, save_replay=True).save(None, module, ["last.ckpt"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_injected_inf_gradient_skips_the_step_and_leaves_parameters_bitwise_unchanged():
+    from test_module import fit, make_batch, make_module
+
+    torch.manual_seed(0)
+    module = make_module("precision=fp16")
+    before = {k: v.clone() for k, v in module.critic.state_dict().items()}
+    module.critic.q1[0].weight.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+    fit(module, [make_batch()])
+    assert module.skipped["critic"] == 1
+    for key, value in module.critic.state_dict().items():
+        assert torch.equal(before[key], value), key
+    assert module.loss_scales()["critic"] == 5000.0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["resume=nowhere"], "checkpoint nowhere does not exist"),
+    (["resume=."], "no checkpoint in ."),
+    (["env.image_size=-3"], "env.image_size=-3 must be positive"),
+    (["replay.capacity=0"], "replay.capacity=0 must be positive"),
+])
+def test_bad_paths_and_sizes_exit_2_and_write_nothing(tmp_path, args, message):
+    result = run_cli(*args, "run_dir=out", cwd=tmp_path)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-1000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_opengl_exits_2_with_what_to_install(tmp_path):
+    env = {**os.environ, "MUJOCO_GL": "no-such-backend", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "pixelsac.train", *TINY, "run_dir=out"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "libegl1 libegl-mesa0 libgl1-mesa-dri" in result.stderr and "MUJOCO_GL=egl" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupt_and_foreign_checkpoints_are_refused(tmp_path):
+    (tmp_path / "text.ckpt").write_text("not a checkpoint")
+    result = run_cli("resume=text.ckpt", cwd=tmp_path)
+    assert result.returncode == 2 and "is not a readable checkpoint" in result.stderr
+
+
+class _Payload:
+    """Stands for any pickled object: unpickling it would run its class's code."""
+
+
+@pytest.mark.slow
+def test_pickled_objects_are_refused_unless_trusted(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(*TINY, "precision=fp32", f"run_dir={run_dir}", cwd=tmp_path).returncode == 0
+    last = run_dir / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    checkpoint["stranger"] = _Payload()  # what a crafted checkpoint would carry
+    torch.save(checkpoint, last)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(last, weights_only=True)
+    refused = run_cli(f"resume={run_dir}", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "holds pickled Python objects, which could run code when loaded; refusing" in refused.stderr
+    trusted = run_cli(f"resume={run_dir}", "trust_checkpoint=true", f"train.env_frames={HALF + 64}",
+                      "trainer.enable_progress_bar=false", cwd=tmp_path,
+                      extra_path=str(REPO / "tests"))
+    assert trusted.returncode == 0, trusted.stderr[-2000:]
