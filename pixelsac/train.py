@@ -214,6 +214,9 @@ def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None =
              "loss_scales": run.module.loss_scales(), "skipped": run.module.skipped,
              "checkpoint": failure.checkpoint}, indent=2))
         raise
+    finally:
+        run.env.close()  # frees the physics and its GL contexts (a long process may train many runs)
+        run.eval_env.close()
     evaluator = next(c for c in run.trainer.callbacks if type(c).__name__ == "Evaluator")
     print(f"done: {run.collector.env_frames} env frames, {run.module.updates} updates, "
           f"best eval return {evaluator.best_return:.1f}; checkpoints in {run.run_dir / 'checkpoints'}")
