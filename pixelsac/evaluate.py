@@ -1,0 +1,420 @@
+"""Evaluate a trained agent from a checkpoint: returns, a results file and videos::
+
+    python -m pixelsac.evaluate checkpoint=runs/cheetah_run/20260101-120000_fp16_s1
+    python -m pixelsac.evaluate checkpoint=run/checkpoints/last.ckpt episodes=20 video=true
+    python -m pixelsac.evaluate checkpoint=RUN video_episodes=all agent_view=true out_dir=eval/
+
+Options (``key=value``):
+  checkpoint=PATH       a .ckpt file, or a run directory (its best.ckpt, else last.ckpt)
+  prefer=best|last      which checkpoint of a run directory to use            [best]
+  episodes=N            episodes to play                                      [10]
+  seed=S                evaluation seed          [training seed + 200000: episodes unseen in
+                                                  training and in choosing best.ckpt]
+  sample=true|false     sample actions instead of the deterministic mean      [false]
+  video=true|false      write mp4 videos of some episodes                     [false]
+  video_episodes=0,1|all  which episodes to film (implies video=true)         [0]
+  video_size=N          rendered side of the video, pixels                    [256]
+  video_camera=N        camera to film from                      [the observation camera]
+  agent_view=true       add what the policy saw, enlarged, to the right       [false]
+  out_dir=DIR           where results.json and videos go
+                        [<run dir>/eval/<checkpoint name>-<date>-<time>]
+  overwrite=true        allow writing into a non-empty out_dir                [false]
+  device=auto|cpu|cuda  where the networks run (auto: cuda when available)   [auto]
+  trust_checkpoint=true allow a checkpoint that needs full unpickling (can run code!) [false]
+
+Checkpoints of any precision (fp32, fp16, bf16, amp), written on a GPU or a CPU, evaluate on
+either device. A bad option or an unusable checkpoint is reported in one line with exit code 2,
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pixelsac.checkpoint import CheckpointError
+from pixelsac.config import ConfigError, parse_overrides
+
+USAGE = __doc__
+
+#: Offset of the default evaluation seed from the training seed. Training collects with ``seed``
+#: and evaluates (choosing best.ckpt) with ``seed + 100000``; reporting returns on a third seed
+#: keeps the numbers free of the selection that picked best.ckpt.
+EVAL_SEED_OFFSET = 200_000
+
+#: option name -> the kind of value it takes (the defaults live in EvalOptions)
+_OPTION_KINDS: dict[str, str] = {
+    "checkpoint": "path", "prefer": "choice", "episodes": "int", "seed": "int", "sample": "bool",
+    "video": "bool", "video_episodes": "episodes", "video_size": "int", "video_camera": "int",
+    "agent_view": "bool", "out_dir": "path", "overwrite": "bool", "device": "device",
+    "trust_checkpoint": "bool",
+}
+_CHOICES = {"prefer": ("best", "last")}
+_VIDEO_OPTIONS = ("video_episodes", "video_size", "video_camera", "agent_view")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """What ``python -m pixelsac.evaluate`` was asked to do (see the module docstring)."""
+
+    checkpoint: str
+    prefer: str = "best"
+    episodes: int = 10
+    seed: int | None = None
+    sample: bool = False
+    video: bool = False
+    video_episodes: tuple[int, ...] | None = (0,)  # None: every episode
+    video_size: int = 256
+    video_camera: int | None = None
+    agent_view: bool = False
+    out_dir: str | None = None
+    overwrite: bool = False
+    device: str = "auto"
+    trust_checkpoint: bool = False
+
+
+def parse_options(argv: Sequence[str]) -> EvalOptions:
+    """Turn ``key=value`` arguments into :class:`EvalOptions`; :class:`ConfigError` on a mistake."""
+    typed = parse_overrides(argv)
+    # Paths keep their literal text: YAML would turn out_dir=2024 into a number.
+    raw = {item.partition("=")[0].strip(): item.partition("=")[2] for item in argv}
+    values: dict[str, Any] = {}
+    for key, value in typed.items():
+        if key not in _OPTION_KINDS:
+            close = difflib.get_close_matches(key, _OPTION_KINDS, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"unknown option {key!r}{hint}; options: {', '.join(_OPTION_KINDS)}")
+        values[key] = _convert(key, value, raw[key])
+    if "checkpoint" not in values:
+        raise ConfigError("checkpoint=PATH is required (a .ckpt file or a run directory)")
+
+    video_options = [key for key in _VIDEO_OPTIONS if key in values]
+    if video_options and values.get("video") is False:
+        raise ConfigError(f"video=false contradicts {', '.join(video_options)}; drop one of them")
+    if video_options:
+        values["video"] = True  # asking for video episodes, size or view means asking for video
+    options = EvalOptions(**values)
+    if options.video_episodes is not None:
+        beyond = [e for e in options.video_episodes if e >= options.episodes]
+        if beyond:
+            raise ConfigError(f"video_episodes {beyond} do not exist: episodes=... plays "
+                              f"{options.episodes} episode(s), numbered 0..{options.episodes - 1}")
+    return options
+
+
+def _convert(key: str, value: Any, raw: str) -> Any:
+    kind = _OPTION_KINDS[key]
+    if kind == "path":
+        if not raw.strip():
+            raise ConfigError(f"{key}= needs a path")
+        return raw.strip()
+    if key in ("seed", "video_camera") and value is None:  # null: the documented default
+        return None
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={raw!r} has the wrong type; it takes true or false")
+        return value
+    if kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{key}={raw!r} has the wrong type; it takes an integer")
+        if key in ("episodes", "video_size") and value < 1:
+            raise ConfigError(f"{key}={value} must be positive")
+        if key == "seed" and value < 0:
+            raise ConfigError(f"seed={value} must be zero or more")
+        return value
+    if kind == "choice":
+        if value not in _CHOICES[key]:
+            raise ConfigError(f"{key}={raw!r}; choose one of {', '.join(_CHOICES[key])}")
+        return value
+    if kind == "device":
+        text = str(raw).strip()
+        if text not in ("auto", "cpu") and not text.startswith("cuda"):
+            raise ConfigError(f"device={text!r}; choose auto, cpu, cuda or cuda:N")
+        return text
+    return _episode_list(value, raw)
+
+
+def _episode_list(value: Any, raw: str) -> tuple[int, ...] | None:
+    """``0`` / ``0,1`` / ``[0, 1]`` / ``all`` -> episode indices (None: all)."""
+    if value == "all":
+        return None
+    items = value if isinstance(value, list) else [value] if isinstance(value, int) else str(raw).split(",")
+    try:
+        indices = [int(str(item).strip()) for item in items]
+    except ValueError:
+        indices = [-1]
+    if not indices or any(i < 0 for i in indices):
+        raise ConfigError(f"video_episodes={raw!r}; give episode numbers from 0 (e.g. 0,1) or all")
+    return tuple(sorted(set(indices)))
+
+
+# --- loading --------------------------------------------------------------------------------------
+def resolve_device(name: str) -> Any:
+    """``auto`` -> cuda when available, else cpu; a cuda device that is missing is an error."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but torch sees no CUDA device; use device=cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"device={name!r} is not a torch device ({exc})") from None
+
+
+def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -> Any:
+    """The checkpoint's SACModule, in eval mode on ``device``, with its precision policy resolved
+    for that device (a run trained on a GPU evaluated on a CPU gets the CPU's compute path)."""
+    import torch
+
+    from pixelsac.checkpoint import module_from_checkpoint
+    from pixelsac.precision import PrecisionPolicy
+
+    non_finite = [name for name, tensor in checkpoint["state_dict"].items()
+                  if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if non_finite:
+        raise CheckpointError(f"{checkpoint_file} holds non-finite weights ({len(non_finite)} tensors, "
+                              f"e.g. {non_finite[0]}): the run diverged before it was saved")
+    try:
+        module = module_from_checkpoint(checkpoint)
+    except CheckpointError:
+        raise
+    except (KeyError, AttributeError, TypeError, ValueError) as exc:  # a config this version cannot read
+        raise CheckpointError(f"{checkpoint_file} describes an agent this pixelsac cannot build "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    module = module.to(device)
+    module.precision_policy = PrecisionPolicy.from_config(module.cfg, device.type)
+    return module.eval()
+
+
+def make_env(config: dict[str, Any], seed: int) -> Any:
+    """The environment a checkpoint was trained on, built from the config it stores."""
+    from pixelsac.envs import DMCEnv
+
+    try:
+        env_cfg = config["env"]
+        return DMCEnv(config["task"], obs=env_cfg["obs"], image_size=env_cfg["image_size"],
+                      frame_stack=env_cfg["frame_stack"], action_repeat=env_cfg["action_repeat"],
+                      camera_id=env_cfg["camera_id"], episode_frames=env_cfg["episode_frames"], seed=seed)
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"the checkpoint's config has no usable env settings (missing {exc})") from exc
+
+
+def checkpoint_counters(checkpoint: dict[str, Any]) -> dict[str, int | None]:
+    """env_frames and updates at which the checkpoint was written, where it records them."""
+    ours = checkpoint.get("pixelsac", {})
+    env_frames = None
+    # the Checkpointer callback stores the collector's counters with every checkpoint
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if str(key).startswith("Checkpointer") and isinstance(state, dict):
+            env_frames = state.get("collector", {}).get("env_frames")
+    updates = ours.get("updates")
+    return {"env_frames": None if env_frames is None else int(env_frames),
+            "updates": None if updates is None else int(updates)}
+
+
+def default_out_dir(checkpoint_file: Path, now: datetime.datetime | None = None) -> Path:
+    """``<run dir>/eval/<stem>-<date>-<time>`` for a checkpoint inside a run's ``checkpoints/``,
+    else ``eval/<stem>-<date>-<time>`` beside the checkpoint file."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    parent = checkpoint_file.parent
+    base = parent.parent if parent.name == "checkpoints" else parent
+    out_dir = base / "eval" / f"{checkpoint_file.stem}-{stamp}"
+    suffix = 2
+    while out_dir.exists():  # two evaluations within one second
+        out_dir = base / "eval" / f"{checkpoint_file.stem}-{stamp}-{suffix}"
+        suffix += 1
+    return out_dir
+
+
+# --- running --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Evaluation:
+    """What one evaluation produced."""
+
+    out_dir: Path
+    results: dict[str, Any]
+    videos: list[Path]
+
+
+class _LengthCounter:
+    """``on_frame`` hook counting agent steps per episode (run_episodes reports returns only)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, int] = {}
+
+    def __call__(self, episode: int, env: Any) -> None:
+        self.calls[episode] = self.calls.get(episode, 0) + 1
+
+    def length(self, episode: int) -> int:
+        return self.calls.get(episode, 1) - 1  # the first call is the reset, not a step
+
+
+def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evaluation:
+    """Load, check, play and record; writes ``results.json`` (and videos) into the out dir.
+
+    Everything that can be refused (options, checkpoint, environment, video size) is checked
+    before the out dir is created. Raises ConfigError, CheckpointError or EnvError.
+    """
+    import torch
+
+    from pixelsac.checkpoint import load, resolve
+    from pixelsac.collect import run_episodes
+    from pixelsac.video import EpisodeRecorder
+
+    device = resolve_device(options.device)
+    checkpoint_file = resolve(options.checkpoint, options.prefer).resolve()
+    checkpoint = load(checkpoint_file, map_location="cpu", trust=options.trust_checkpoint)
+    config = checkpoint["hyper_parameters"]["config"]
+    module = load_agent(checkpoint_file, checkpoint, device)
+    seed = options.seed if options.seed is not None else int(config.get("seed", 0)) + EVAL_SEED_OFFSET
+    env = make_env(config, seed)
+    try:
+        if tuple(env.obs_shape) != tuple(module.obs_shape) or env.action_dim != module.action_dim:
+            raise CheckpointError(f"the checkpoint's networks take observations {tuple(module.obs_shape)} and "
+                                  f"{module.action_dim} actions, but its config builds {tuple(env.obs_shape)} "
+                                  f"and {env.action_dim}")
+        env.reset()  # renders: a missing OpenGL library is reported now, before anything is written
+        if options.video:
+            if options.agent_view and env.obs_kind != "pixels":
+                raise ConfigError("agent_view=true needs a policy trained from pixels; this one sees states")
+            env.render(options.video_size, options.video_camera)  # checks size and camera
+        out_dir = _prepare_out_dir(options, checkpoint_file)
+        counters = checkpoint_counters(checkpoint)
+        out(f"checkpoint {checkpoint_file}")
+        out(f"  {config['task']}, {module.precision_policy.describe()}; "
+            f"{_count(counters['env_frames'])} env frames, {_count(counters['updates'])} updates; on {device}")
+        out(f"  {options.episodes} episode(s), seed {seed}, "
+            f"{'sampled' if options.sample else 'deterministic (mean)'} actions")
+
+        torch.manual_seed(seed)  # only sample=true draws random numbers
+        start = time.perf_counter()
+        returns, lengths, videos = [], [], []
+        out(_table_header())
+        for index in range(options.episodes):
+            counter = _LengthCounter()
+            filming = options.video and (options.video_episodes is None or index in options.video_episodes)
+            recorder = (EpisodeRecorder(options.video_size, options.video_camera, options.agent_view, episodes={0})
+                        if filming else None)
+            # One run_episodes call per episode: episodes follow each other on the same env exactly
+            # as in one call, but each video is written (and its frames freed) as soon as it ends.
+            hook = counter if recorder is None else _both(counter, recorder)
+            [episode_return] = run_episodes(env, module.act, 1, sample=options.sample, on_frame=hook)
+            returns.append(float(episode_return))
+            lengths.append(counter.length(0))
+            if recorder is not None:
+                videos.append(recorder.save(out_dir / f"episode_{index:03d}.mp4"))
+            out(_table_row(index, returns[-1], lengths[-1]))
+        wall_seconds = time.perf_counter() - start
+    finally:
+        env.close()
+
+    results = _results(options, checkpoint_file, config, module, counters, seed, returns, lengths, videos,
+                       out_dir, wall_seconds, env.action_repeat, device)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    out(_table_footer(returns))
+    out(f"wrote {out_dir / 'results.json'}" + (f" and {len(videos)} video(s)" if videos else "")
+        + f" in {wall_seconds:.1f} s")
+    return Evaluation(out_dir, results, videos)
+
+
+def _both(*hooks: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+    def call(episode: int, env: Any) -> None:
+        for hook in hooks:
+            hook(episode, env)
+    return call
+
+
+def _prepare_out_dir(options: EvalOptions, checkpoint_file: Path) -> Path:
+    if options.out_dir is None:
+        out_dir = default_out_dir(checkpoint_file)
+    else:
+        out_dir = Path(options.out_dir)
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not options.overwrite:
+            raise ConfigError(f"out_dir {out_dir} already exists and is not empty; "
+                              "choose another out_dir=... or pass overwrite=true")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"
+
+
+def _table_header() -> str:
+    return f"{'episode':>8}  {'return':>9}  {'length':>6}"
+
+
+def _table_row(index: int, episode_return: float, length: int) -> str:
+    return f"{index:>8}  {episode_return:>9.2f}  {length:>6}"
+
+
+def _table_footer(returns: list[float]) -> str:
+    mean, std = float(np.mean(returns)), float(np.std(returns))
+    return (f"{'mean':>8}  {mean:>9.2f}  ± {std:.2f} (std over {len(returns)} episodes; "
+            f"min {min(returns):.2f}, max {max(returns):.2f})")
+
+
+def _results(options: EvalOptions, checkpoint_file: Path, config: dict[str, Any], module: Any,
+             counters: dict[str, int | None], seed: int, returns: list[float], lengths: list[int],
+             videos: list[Path], out_dir: Path, wall_seconds: float, action_repeat: int, device: Any) -> dict[str, Any]:
+    from pixelsac.checkpoint import FORMAT_VERSION
+    from pixelsac.precision import SIX
+
+    policy = module.precision_policy
+    return {
+        "task": config["task"],
+        "checkpoint": str(checkpoint_file),
+        "env_frames": counters["env_frames"],
+        "updates": counters["updates"],
+        "precision": config.get("precision"),
+        "lowp": {name: bool(getattr(policy, name)) for name in SIX},
+        "training_seed": config.get("seed"),
+        "seed": seed,
+        "sample": options.sample,
+        "device": str(device),
+        "episodes": len(returns),
+        "returns": returns,
+        "lengths": lengths,  # agent steps; env frames = length x action_repeat
+        "action_repeat": action_repeat,
+        "mean": float(np.mean(returns)),
+        "std": float(np.std(returns)),  # population std, as the training log's eval/return_std
+        "min": float(min(returns)),
+        "max": float(max(returns)),
+        "all_finite": all(math.isfinite(r) for r in returns),
+        "wall_seconds": wall_seconds,
+        "videos": [str(path.relative_to(out_dir)) for path in videos],
+        "checkpoint_format": FORMAT_VERSION,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: 0 on success, 2 with one ``error: ...`` line on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(USAGE)
+        return 0
+    from pixelsac.envs import EnvError
+
+    try:
+        evaluate(parse_options(argv))
+    except (ConfigError, CheckpointError, EnvError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
