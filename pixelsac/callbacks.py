@@ -21,6 +21,7 @@ import torch
 
 from pixelsac.collect import Collector, run_episodes
 from pixelsac.envs import DMCEnv
+from pixelsac.video import EpisodeRecorder
 
 
 def _log(trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
@@ -92,21 +93,25 @@ class Evaluator(L.Callback):
     (``best`` too when the return improved)."""
 
     def __init__(self, env: DMCEnv, collector: Collector, checkpointer: "Checkpointer",
-                 every_frames: int, episodes: int) -> None:
+                 every_frames: int, episodes: int, video_dir: Path | None = None,
+                 video_every_evals: int = 0, video_size: int = 256) -> None:
         self.env, self.collector, self.checkpointer = env, collector, checkpointer
         self.every_frames, self.episodes = every_frames, episodes
+        self.video_dir, self.video_every_evals, self.video_size = video_dir, video_every_evals, video_size
         self.next_eval = every_frames
         self.best_return = -math.inf
         self.last_eval_frames = -1
+        self.evaluations = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_eval": self.next_eval, "best_return": self.best_return,
+        return {"next_eval": self.next_eval, "best_return": self.best_return, "evaluations": self.evaluations,
                 "last_eval_frames": self.last_eval_frames, "env_rng": self.env.get_rng_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_eval = int(state["next_eval"])
         self.best_return = float(state["best_return"])
         self.last_eval_frames = int(state["last_eval_frames"])
+        self.evaluations = int(state.get("evaluations", 0))
         self.env.set_rng_state(state["env_rng"])
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -127,7 +132,12 @@ class Evaluator(L.Callback):
         if self.episodes <= 0:
             return False
         start = time.perf_counter()
-        returns = run_episodes(self.env, module.act, self.episodes) if trainer.is_global_zero else [math.nan]
+        self.evaluations += 1
+        film = bool(self.video_dir and self.video_every_evals and self.evaluations % self.video_every_evals == 1 % self.video_every_evals)
+        recorder = EpisodeRecorder(size=self.video_size, episodes={0}) if film and trainer.is_global_zero else None
+        returns = run_episodes(self.env, module.act, self.episodes, on_frame=recorder) if trainer.is_global_zero else [math.nan]
+        if recorder is not None:
+            recorder.save(self.video_dir / f"eval_{frames:09d}.mp4")
         mean = float(np.mean(returns))
         if trainer.is_global_zero:
             _log(trainer, {"eval/return": mean, "eval/return_std": float(np.std(returns)),
@@ -153,10 +163,14 @@ class Checkpointer(L.Callback):
     previous checkpoint intact; a checkpoint whose weights are not finite is never written.
     """
 
-    def __init__(self, run_dir: Path, collector: Collector, save_replay: bool) -> None:
+    def __init__(self, run_dir: Path, collector: Collector, save_replay: bool, max_wait_steps: int = 10**9) -> None:
         self.folder = Path(run_dir) / "checkpoints"
         self.collector = collector
         self.save_replay = save_replay
+        # with several envs whose episodes end at different times (terminations), a common
+        # boundary may never come: after an episode's worth of steps, save anyway (inexact resume)
+        self.max_wait_steps = max_wait_steps
+        self._pending_since = 0
         self._pending: set[str] = set()
         self._replay_file: str | None = None
         self.restored_replay: str | None = None
@@ -187,12 +201,15 @@ class Checkpointer(L.Callback):
 
     # --- when -------------------------------------------------------------------------------------
     def request(self, best: bool) -> None:
+        if not self._pending:
+            self._pending_since = self.collector.agent_steps
         self._pending.add("last.ckpt")
         if best:
             self._pending.add("best.ckpt")
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._pending and self.collector.at_episode_boundary:
+        waited = self.collector.agent_steps - self._pending_since
+        if self._pending and (self.collector.at_episode_boundary or waited > self.max_wait_steps):
             self.save_pending(trainer, module)
 
     def save_pending(self, trainer: L.Trainer, module: Any, at_end: bool = False) -> None:

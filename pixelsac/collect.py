@@ -14,14 +14,15 @@ stream takes one agent step, so collection and updates interleave exactly as in 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from pixelsac.envs import DMCEnv
-from pixelsac.replay import ReplayBuffer
+from pixelsac.envs import DMCEnv, TimeStep
+from pixelsac.replay import ReplaySet
 
 ActFn = Callable[[np.ndarray, bool], np.ndarray]  # (obs batch, sample) -> actions in [-1, 1]
 
@@ -36,71 +37,81 @@ class Episode:
 
 
 class Collector:
-    """Steps one environment and fills the replay buffer; owns the step counters.
+    """Steps ``envs.num_envs`` environments in lockstep and fills the replay set; owns the step
+    counters (summed over environments).
 
-    A new episode starts lazily, at the first step after the previous one ended, so between
-    episodes (:attr:`at_episode_boundary`) the whole collection state is a few counters and RNG
-    states: that is where checkpoints meant for exact resumption are taken.
+    Each step is one batched policy forward pass for all environments. A new episode starts
+    lazily, at the first step after the previous one ended, so between episodes
+    (:attr:`at_episode_boundary`, all environments) the whole collection state is a few counters
+    and RNG states: that is where checkpoints meant for exact resumption are taken.
     """
 
-    def __init__(self, env: DMCEnv, replay: ReplayBuffer, act: ActFn, seed_steps: int,
+    def __init__(self, envs: Any, replay: ReplaySet, act: ActFn, seed_steps: int,
                  rng: np.random.Generator) -> None:
-        self.env, self.replay, self.act = env, replay, act
+        self.envs, self.replay, self.act = envs, replay, act
+        self.num_envs = envs.num_envs
         self.seed_steps = seed_steps
         self.rng = rng
         self.agent_steps = 0
         self.env_frames = 0
         self.episodes = 0
         self.finished: list[Episode] = []  # drained by the logging callback
-        self._episode_return = 0.0
-        self._episode_length = 0
-        self._timestep = None  # None between episodes
+        self._returns = [0.0] * self.num_envs
+        self._lengths = [0] * self.num_envs
+        self._timesteps: list[TimeStep | None] = [None] * self.num_envs  # None between episodes
 
     @property
     def at_episode_boundary(self) -> bool:
-        return self._timestep is None
+        return all(t is None for t in self._timesteps)
 
     def step(self) -> None:
-        """One agent step: choose an action, step the env, store the transition."""
-        if self._timestep is None:
-            self._timestep = self.env.reset()
-            self.replay.add_first(self._timestep.frame)
-            self._episode_return, self._episode_length = 0.0, 0
+        """One step of every environment: reset the finished ones, act, store the transitions."""
+        starting = [i for i, t in enumerate(self._timesteps) if t is None]
+        if starting:
+            for i, timestep in zip(starting, self.envs.reset(starting)):
+                self._timesteps[i] = timestep
+                self.replay.add_first(i, timestep.frame)
+                self._returns[i], self._lengths[i] = 0.0, 0
         if self.agent_steps < self.seed_steps:
-            action = self.rng.uniform(-1.0, 1.0, size=self.env.action_dim).astype(np.float32)
+            actions = self.rng.uniform(-1.0, 1.0, size=(self.num_envs, self.envs.action_dim)).astype(np.float32)
         else:
-            action = self.act(self._timestep.obs[None], True)[0]
-        timestep = self.env.step(action)
-        self.replay.add(action, timestep.reward, timestep.terminal, timestep.frame)
-        self.agent_steps += 1
-        self.env_frames += self.env.action_repeat  # the env may end early inside a repeat; PlaNet counts the budget
-        self._episode_return += timestep.reward
-        self._episode_length += 1
-        self._timestep = timestep
-        if timestep.last:
-            self.episodes += 1
-            self.finished.append(Episode(self.env_frames, self._episode_return, self._episode_length))
-            self._timestep = None
+            actions = self.act(np.stack([t.obs for t in self._timesteps]), True)
+        for i, timestep in enumerate(self.envs.step(actions)):
+            self.replay.add(i, actions[i], timestep.reward, timestep.terminal, timestep.frame)
+            self._returns[i] += timestep.reward
+            self._lengths[i] += 1
+            self._timesteps[i] = timestep
+            # the env may end inside a repeat; PlaNet counts the budget in repeats
+            frames_after = self.env_frames + (i + 1) * self.envs.action_repeat
+            if timestep.last:
+                self.episodes += 1
+                self.finished.append(Episode(frames_after, self._returns[i], self._lengths[i]))
+                self._timesteps[i] = None
+        self.agent_steps += self.num_envs
+        self.env_frames += self.num_envs * self.envs.action_repeat
 
     def drain_episodes(self) -> list[Episode]:
         done, self.finished = self.finished, []
         return done
 
     def state_dict(self) -> dict:
-        """Counters and RNG states (plain containers). Taken mid-episode, a resume starts a new
-        episode: only states taken at an episode boundary resume bit for bit."""
+        """Counters and RNG states (plain containers). Taken mid-episode, a resume starts new
+        episodes: only states taken at an episode boundary resume bit for bit."""
         return {
             "agent_steps": self.agent_steps, "env_frames": self.env_frames, "episodes": self.episodes,
-            "rng": self.rng.bit_generator.state, "env_rng": self.env.get_rng_state(),
+            "rng": self.rng.bit_generator.state, "env_rngs": self.envs.get_rng_states(),
             "at_episode_boundary": self.at_episode_boundary,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if len(state["env_rngs"]) != self.num_envs:
+            raise ValueError(f"the checkpoint collected with {len(state['env_rngs'])} envs; this run has "
+                             f"{self.num_envs} (env.num_envs must match to resume)")
         self.agent_steps, self.env_frames = int(state["agent_steps"]), int(state["env_frames"])
         self.episodes = int(state["episodes"])
         self.rng.bit_generator.state = state["rng"]
-        self.env.set_rng_state(state["env_rng"])
-        self._timestep, self.finished = None, []
+        self.envs.set_rng_states(state["env_rngs"])
+        self._timesteps, self.finished = [None] * self.num_envs, []
 
 
 class ExperienceStream(IterableDataset):
@@ -132,7 +143,8 @@ class ExperienceStream(IterableDataset):
             collector.step()
         while collector.agent_steps < self.total_agent_steps:
             collector.step()
-            for _ in range(self.updates_per_step):
+            # the update-to-data ratio holds per agent step, whatever the number of envs
+            for _ in range(self.updates_per_step * collector.num_envs):
                 yield self.replay_batch()
 
     def replay_batch(self) -> dict[str, torch.Tensor]:

@@ -48,7 +48,7 @@ NULLABLE: dict[str, type] = {
 # (key, smallest allowed value): sizes and counts that must be positive (or non-negative).
 _LOWER_BOUNDS: dict[str, float] = {
     "env.image_size": 1, "env.frame_stack": 1, "env.episode_frames": 1, "env.action_repeat": 1,
-    "env.camera_id": 0, "replay.capacity": 1, "agent.batch_size": 1, "agent.num_filters": 1,
+    "env.camera_id": 0, "env.num_envs": 1, "replay.capacity": 1, "agent.batch_size": 1, "agent.num_filters": 1,
     "agent.num_conv_layers": 1, "agent.feature_dim": 1, "agent.hidden_dim": 1,
     "agent.hidden_depth": 1, "agent.aug_pad": 0, "agent.aug_target_copies": 1,
     "agent.aug_q_copies": 1, "agent.critic_target_update_every": 1, "agent.actor_update_every": 1,

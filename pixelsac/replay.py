@@ -319,3 +319,68 @@ class ReplayBuffer:
             target[filled:] = 0
         self._written = written
         self._episode_open = bool(int(state["episode_open"]))
+
+
+class ReplaySet:
+    """One :class:`ReplayBuffer` per environment (``env.num_envs``), sampled as one.
+
+    Each environment's frames must stay consecutive for stacks to be rebuilt, so each gets its
+    own ring of ``capacity // num_envs`` slots. A batch draws from the buffers in proportion to
+    the transitions they hold (one multinomial draw), then concatenates.
+    """
+
+    def __init__(self, num_envs: int, capacity: int, frame_shape: tuple[int, ...], frame_dtype: Any,
+                 frame_stack: int, action_dim: int) -> None:
+        per_env = _positive("capacity", capacity) // _positive("num_envs", num_envs)
+        if per_env <= frame_stack:
+            raise ValueError(f"replay capacity {capacity} is too small for {num_envs} envs "
+                             f"(each needs more than {frame_stack} slots)")
+        self.buffers = [ReplayBuffer(per_env, frame_shape, frame_dtype, frame_stack, action_dim)
+                        for _ in range(num_envs)]
+
+    @property
+    def capacity(self) -> int:
+        return sum(b.capacity for b in self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def bytes_per_transition(self) -> float:
+        return self.nbytes / self.capacity
+
+    def describe(self) -> str:
+        line = self.buffers[0].describe().replace(f"{self.buffers[0].capacity:,} transitions",
+                                                  f"{self.capacity:,} transitions", 1)
+        line = line.replace(f"= {self.buffers[0].nbytes / 1e9:.2f} GB", f"= {self.nbytes / 1e9:.2f} GB", 1)
+        return line if len(self.buffers) == 1 else f"{line}; {len(self.buffers)} rings, one per env"
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.buffers)
+
+    def add_first(self, env_index: int, frame: np.ndarray) -> None:
+        self.buffers[env_index].add_first(frame)
+
+    def add(self, env_index: int, action: np.ndarray, reward: float, terminal: bool, next_frame: np.ndarray) -> None:
+        self.buffers[env_index].add(action, reward, terminal, next_frame)
+
+    def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        if len(self.buffers) == 1:
+            return self.buffers[0].sample(batch_size, rng)
+        sizes = np.array([len(b) for b in self.buffers], dtype=np.float64)
+        if sizes.sum() <= 0:
+            raise ValueError("cannot sample from an empty replay buffer")
+        counts = rng.multinomial(batch_size, sizes / sizes.sum())
+        parts = [b.sample(int(n), rng) for b, n in zip(self.buffers, counts) if n > 0]
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"buffers": [b.state_dict() for b in self.buffers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["buffers"]) != len(self.buffers):
+            raise ValueError(f"the saved replay holds {len(state['buffers'])} env rings; this run has "
+                             f"{len(self.buffers)} (env.num_envs must match to resume)")
+        for buffer, saved in zip(self.buffers, state["buffers"]):
+            buffer.load_state_dict(saved)

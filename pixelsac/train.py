@@ -109,8 +109,9 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     from pixelsac.callbacks import Checkpointer, Evaluator, ProgressBar, StopWhenCollected, TrainingLogger
     from pixelsac.collect import Collector, ExperienceStream
     from pixelsac.envs import DMCEnv
+    from pixelsac.envs.vector import make_envs
     from pixelsac.module import SACModule
-    from pixelsac.replay import ReplayBuffer
+    from pixelsac.replay import ReplaySet
 
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
     if resume_from is None and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())) \
@@ -124,20 +125,25 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     env_kwargs = dict(obs=cfg.env.obs, image_size=cfg.env.image_size, frame_stack=cfg.env.frame_stack,
                       action_repeat=cfg.env.action_repeat, camera_id=cfg.env.camera_id,
                       episode_frames=cfg.env.episode_frames)
-    env = DMCEnv(cfg.task, seed=cfg.seed, **env_kwargs)
     eval_env = DMCEnv(cfg.task, seed=cfg.seed + 100_000, **env_kwargs)
     eval_env.render(16)  # a missing GL library fails here, before anything is written (no RNG drawn)
+    seeds = [cfg.seed + i for i in range(cfg.env.num_envs)]
+    env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1, **env_kwargs)
 
-    replay = ReplayBuffer(cfg.replay.capacity, env.frame_shape, env.frame_dtype, env.frame_stack, env.action_dim)
+    replay = ReplaySet(cfg.env.num_envs, cfg.replay.capacity, env.frame_shape, env.frame_dtype,
+                       env.frame_stack, env.action_dim)
     module = SACModule(to_plain(cfg), env.obs_shape, env.action_dim)
     rng = np.random.default_rng(cfg.seed)
     collector = Collector(env, replay, module.act, cfg.train.seed_steps, rng)
     total_agent_steps = -(-cfg.train.env_frames // env.action_repeat)
     stream = ExperienceStream(collector, cfg.agent.batch_size, total_agent_steps, cfg.train.updates_per_step, rng)
 
-    checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay)
+    episode_steps = -(-cfg.env.episode_frames // env.action_repeat) * cfg.env.num_envs
+    checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps)
     callbacks = [TrainingLogger(collector), ProgressBar(collector),
-                 Evaluator(eval_env, collector, checkpointer, cfg.train.eval_every_frames, cfg.train.eval_episodes),
+                 Evaluator(eval_env, collector, checkpointer, cfg.train.eval_every_frames, cfg.train.eval_episodes,
+                           video_dir=run_dir / "videos", video_every_evals=cfg.train.video_every_evals,
+                           video_size=min(cfg.train.video_size, 480)),
                  checkpointer, StopWhenCollected(stream)]
     trainer_args = dict(cfg.trainer)
     if not trainer_args.get("enable_progress_bar", True):
@@ -230,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pixelsac.checkpoint import CheckpointError
     from pixelsac.envs import EnvError
+    from pixelsac.envs.vector import EnvWorkerError
     from pixelsac.module import NumericalFailure
 
     try:
         train(*resolve_config(argv))
-    except (ConfigError, EnvError, UsageError, CheckpointError) as exc:
+    except (ConfigError, EnvError, UsageError, CheckpointError, EnvWorkerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NumericalFailure as failure:

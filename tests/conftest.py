@@ -14,7 +14,7 @@ TINY = [
     "task=cartpole_swingup", "env.image_size=32", "env.episode_frames=64", "replay.capacity=400",
     "agent.batch_size=8", "agent.num_filters=8", "agent.feature_dim=16", "agent.hidden_dim=32",
     "train.seed_steps=16", "train.env_frames=320", "train.eval_every_frames=160",
-    "train.eval_episodes=1", "train.log_every_updates=4", "trainer.enable_progress_bar=false",
+    "train.eval_episodes=1", "train.log_every_updates=4", "train.video_size=64", "trainer.enable_progress_bar=false",
 ]
 
 

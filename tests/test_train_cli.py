@@ -43,6 +43,8 @@ def test_tiny_run_writes_logs_config_and_checkpoints(tmp_path):
     assert checkpoint["hyper_parameters"]["config"]["task"] == "cartpole_swingup"
     # 320 env frames at repeat 8 = 40 agent steps; 16 seed steps -> 24 updates
     assert checkpoint["pixelsac"]["updates"] == 24
+    # every 5th evaluation is filmed, starting with the first (at frame 160)
+    assert sorted(p.name for p in (run_dir / "videos").iterdir()) == ["eval_000000160.mp4"]
 
 
 @pytest.mark.parametrize("args,message", [

@@ -297,6 +297,13 @@ class DMCEnv:
         return self._action_dim
 
     @property
+    def last_frame(self) -> np.ndarray:
+        """The newest frame of the current observation: what the policy saw last (for videos)."""
+        if not self._frames:
+            raise RuntimeError("no observation yet: call reset() first")
+        return self._frames[-1]
+
+    @property
     def dmc_env(self) -> Any:
         """The wrapped `dm_control.rl.control.Environment` (for inspection and tests)."""
         return self._live_env()

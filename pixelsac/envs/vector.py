@@ -1,0 +1,200 @@
+"""Several environments stepped together: in this process (:class:`SerialEnvs`) or each in its
+own worker process (:class:`ParallelEnvs`, ``env.num_envs=N``).
+
+On a CPU, rendering is the whole cost of pixel collection (~15-30 ms a frame against ~0.1 ms a
+physics step), so N worker processes render N frames in the time of one while the learner asks
+for one batched policy forward pass per step. Environment ``i`` is seeded ``seeds[i]`` in both
+flavours, and a worker does exactly what the in-process environment would: the same seeds and
+actions give the same transitions. A worker that raises reports its error and traceback; one
+that dies outright (killed, crashed) is reported with its exit code -- never waited on forever.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from pixelsac.envs.dmc import DMCEnv, EnvError, TimeStep
+
+
+class EnvWorkerError(RuntimeError):
+    """An environment worker process failed; the message carries its error."""
+
+
+class SerialEnvs:
+    """N environments in this process, with the same interface as :class:`ParallelEnvs`."""
+
+    def __init__(self, task: str, seeds: Sequence[int], **env_kwargs: Any) -> None:
+        self.envs = [DMCEnv(task, seed=seed, **env_kwargs) for seed in seeds]
+        self.seeds = list(seeds)
+
+    @property
+    def num_envs(self) -> int:
+        return len(self.envs)
+
+    def __getattr__(self, name: str) -> Any:
+        # shapes, dtypes, action repeat... are the same for every env: ask the first
+        if name in ("obs_shape", "frame_shape", "frame_dtype", "action_dim", "action_repeat",
+                    "frame_stack", "episode_frames", "task"):
+            return getattr(self.envs[0], name)
+        raise AttributeError(name)
+
+    def reset(self, indices: Sequence[int]) -> list[TimeStep]:
+        return [self.envs[i].reset() for i in indices]
+
+    def step(self, actions: np.ndarray) -> list[TimeStep]:
+        return [env.step(action) for env, action in zip(self.envs, actions)]
+
+    def get_rng_states(self) -> list[dict]:
+        return [env.get_rng_state() for env in self.envs]
+
+    def set_rng_states(self, states: Sequence[dict]) -> None:
+        for env, state in zip(self.envs, states):
+            env.set_rng_state(state)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def _worker(conn: Connection, task: str, seed: int, env_kwargs: dict) -> None:
+    """Serve one DMCEnv over a pipe until told to close; every failure goes back as a message."""
+    try:
+        env = DMCEnv(task, seed=seed, **env_kwargs)
+        conn.send(("ok", {name: getattr(env, name) for name in
+                          ("obs_shape", "frame_shape", "frame_dtype", "action_dim", "action_repeat",
+                           "frame_stack", "episode_frames")}))
+    except BaseException as exc:  # noqa: BLE001 -- report anything, including EnvError
+        conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        return
+    try:
+        while True:
+            command, arg = conn.recv()
+            try:
+                if command == "reset":
+                    result: Any = env.reset()
+                elif command == "step":
+                    result = env.step(arg)
+                elif command == "get_rng":
+                    result = env.get_rng_state()
+                elif command == "set_rng":
+                    result = env.set_rng_state(arg)
+                elif command == "close":
+                    env.close()
+                    conn.send(("ok", None))
+                    return
+                else:
+                    raise ValueError(f"unknown command {command!r}")
+                conn.send(("ok", result))
+            except BaseException as exc:  # noqa: BLE001
+                conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass  # the parent went away: nothing left to serve
+
+
+class ParallelEnvs:
+    """N environments, each in a worker process started with ``spawn`` (a fresh interpreter:
+    forking a process that holds OpenGL contexts is not safe)."""
+
+    def __init__(self, task: str, seeds: Sequence[int], timeout_s: float = 300.0, **env_kwargs: Any) -> None:
+        self.seeds, self.task_name, self.timeout_s = list(seeds), task, timeout_s
+        context = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for seed in self.seeds:
+            parent, child = context.Pipe()
+            proc = context.Process(target=_worker, args=(child, task, seed, env_kwargs), daemon=True)
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            infos = [self._receive(i) for i in range(len(self.seeds))]
+        except BaseException:
+            self.close()
+            raise
+        self._info = infos[0]
+
+    @property
+    def num_envs(self) -> int:
+        return len(self._conns)
+
+    def __getattr__(self, name: str) -> Any:
+        info = self.__dict__.get("_info", {})
+        if name in info:
+            return info[name]
+        if name == "task":
+            return self.task_name
+        raise AttributeError(name)
+
+    def _receive(self, i: int) -> Any:
+        conn, proc = self._conns[i], self._procs[i]
+        waited = 0.0
+        while not conn.poll(1.0):
+            waited += 1.0
+            if not proc.is_alive():
+                raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
+                                     f"with exit code {proc.exitcode} without answering")
+            if waited >= self.timeout_s:
+                raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) did not "
+                                     f"answer within {self.timeout_s:.0f} s")
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            proc.join(timeout=5)
+            raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
+                                 f"with exit code {proc.exitcode}") from None
+        if status == "error":
+            kind, message, trace = payload
+            if kind == "EnvError":
+                raise EnvError(message)
+            raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) failed: "
+                                 f"{kind}: {message}\n{trace}")
+        return payload
+
+    def _call_all(self, command: str, args: Sequence[Any], indices: Sequence[int]) -> list[Any]:
+        for i, arg in zip(indices, args):
+            try:
+                self._conns[i].send((command, arg))
+            except (BrokenPipeError, EOFError, OSError):
+                self._procs[i].join(timeout=5)
+                raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
+                                     f"with exit code {self._procs[i].exitcode}") from None
+        return [self._receive(i) for i in indices]  # all requests first: the workers run in parallel
+
+    def reset(self, indices: Sequence[int]) -> list[TimeStep]:
+        return self._call_all("reset", [None] * len(indices), indices)
+
+    def step(self, actions: np.ndarray) -> list[TimeStep]:
+        return self._call_all("step", list(actions), range(self.num_envs))
+
+    def get_rng_states(self) -> list[dict]:
+        return self._call_all("get_rng", [None] * self.num_envs, range(self.num_envs))
+
+    def set_rng_states(self, states: Sequence[dict]) -> None:
+        self._call_all("set_rng", list(states), range(self.num_envs))
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                if proc.is_alive():
+                    conn.send(("close", None))
+                    if conn.poll(10):
+                        conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+            conn.close()
+        self._conns, self._procs = [], []
+
+
+def make_envs(task: str, seeds: Sequence[int], parallel: bool, **env_kwargs: Any) -> SerialEnvs | ParallelEnvs:
+    """``len(seeds)`` environments, in worker processes when ``parallel``."""
+    return ParallelEnvs(task, seeds, **env_kwargs) if parallel else SerialEnvs(task, seeds, **env_kwargs)
