@@ -30,7 +30,8 @@ def _log(trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
 
 
 def _counters(collector: Collector, module: Any) -> dict[str, float]:
-    return {"env_frames": collector.env_frames, "agent_steps": collector.agent_steps, "updates": module.updates}
+    return {"env_frames": collector.total_env_frames, "agent_steps": collector.total_agent_steps,
+            "updates": module.updates}
 
 
 class TrainingLogger(L.Callback):
@@ -71,7 +72,7 @@ class ProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: L.Trainer, module: Any) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, module)
         metrics.pop("v_num", None)
-        return {"frames": str(self.collector.env_frames), **metrics}
+        return {"frames": str(self.collector.total_env_frames), **metrics}
 
 
 class StopWhenCollected(L.Callback):
@@ -115,19 +116,19 @@ class Evaluator(L.Callback):
         self.env.set_rng_state(state["env_rng"])
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.collector.env_frames >= self.next_eval:
+        if self.collector.total_env_frames >= self.next_eval:
             self.checkpointer.request(best=self.evaluate(trainer, module))
-            while self.next_eval <= self.collector.env_frames:
+            while self.next_eval <= self.collector.total_env_frames:
                 self.next_eval += self.every_frames
 
     def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
-        best = self.evaluate(trainer, module) if self.collector.env_frames != self.last_eval_frames else False
+        best = self.evaluate(trainer, module) if self.collector.total_env_frames != self.last_eval_frames else False
         self.checkpointer.request(best=best)
         self.checkpointer.save_pending(trainer, module, at_end=True)
 
     def evaluate(self, trainer: L.Trainer, module: Any) -> bool:
         """Run the eval episodes; True when the mean return is the best so far (on every rank)."""
-        frames = self.collector.env_frames
+        frames = self.collector.total_env_frames
         self.last_eval_frames = frames
         if self.episodes <= 0:
             return False
@@ -223,7 +224,7 @@ class Checkpointer(L.Callback):
         from pixelsac.module import NumericalFailure
 
         if isinstance(exception, NumericalFailure):
-            exception.env_frames = self.collector.env_frames
+            exception.env_frames = self.collector.total_env_frames
             if exception.weights_finite:
                 self.save(trainer, module, ["last.ckpt"])
                 exception.checkpoint = str(self.folder / "last.ckpt")

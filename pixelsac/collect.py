@@ -47,8 +47,9 @@ class Collector:
     """
 
     def __init__(self, envs: Any, replay: ReplaySet, act: ActFn, seed_steps: int,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, world_size: int = 1) -> None:
         self.envs, self.replay, self.act = envs, replay, act
+        self.world_size = world_size  # data-parallel ranks, each collecting the same amount
         self.num_envs = envs.num_envs
         self.seed_steps = seed_steps
         self.rng = rng
@@ -63,6 +64,15 @@ class Collector:
     @property
     def at_episode_boundary(self) -> bool:
         return all(t is None for t in self._timesteps)
+
+    @property
+    def total_env_frames(self) -> int:
+        """Env frames collected by all data-parallel ranks together (what logs report)."""
+        return self.env_frames * self.world_size
+
+    @property
+    def total_agent_steps(self) -> int:
+        return self.agent_steps * self.world_size
 
     def step(self) -> None:
         """One step of every environment: reset the finished ones, act, store the transitions."""
@@ -82,7 +92,7 @@ class Collector:
             self._lengths[i] += 1
             self._timesteps[i] = timestep
             # the env may end inside a repeat; PlaNet counts the budget in repeats
-            frames_after = self.env_frames + (i + 1) * self.envs.action_repeat
+            frames_after = (self.env_frames + (i + 1) * self.envs.action_repeat) * self.world_size
             if timestep.last:
                 self.episodes += 1
                 self.finished.append(Episode(frames_after, self._returns[i], self._lengths[i]))

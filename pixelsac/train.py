@@ -18,6 +18,7 @@ import csv
 import datetime
 import json
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -100,10 +101,53 @@ def resolve_config(argv: list[str]) -> tuple[Any, Path | None, int | None]:
     return cfg, file, frames
 
 
+SPAWNING_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")
+
+
+def make_trainer(cfg: Any) -> Any:
+    """The Lightning Trainer from ``cfg.trainer`` (callbacks and loggers are attached later).
+
+    ``strategy=ddp`` becomes DDP with ``find_unused_parameters``: SAC backpropagates three losses
+    per step, each through a different part of the module.
+    """
+    import lightning as L
+
+    args = dict(cfg.trainer)
+    strategy = args.get("strategy", "auto")
+    if isinstance(strategy, str) and strategy in SPAWNING_STRATEGIES:
+        raise UsageError(f"trainer.strategy={strategy} is not supported: it pickles the run into new processes "
+                         "(environments and GL contexts do not pickle); use trainer.strategy=ddp")
+    if strategy == "ddp":
+        args["strategy"] = "ddp_find_unused_parameters_true"
+    try:
+        with _quiet_lightning():
+            return L.Trainer(**args, max_epochs=-1, precision="32-true", logger=False, callbacks=[],
+                             enable_checkpointing=False, default_root_dir=cfg.run_dir or None)
+    except Exception as exc:  # Lightning's own validation of accelerator/devices/strategy...
+        raise UsageError(f"invalid trainer settings: {str(exc).splitlines()[0]}") from exc
+
+
+def shared_run_dir(cfg: Any, rank: int) -> Path:
+    """The run directory, the same on every rank: Lightning's DDP launcher re-runs this command
+    for ranks > 0, which find the directory rank 0 chose in the environment it passes on."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir)
+    if rank > 0 and os.environ.get("PIXELSAC_RUN_DIR"):
+        return Path(os.environ["PIXELSAC_RUN_DIR"])
+    run_dir = default_run_dir(cfg)
+    os.environ["PIXELSAC_RUN_DIR"] = str(run_dir)
+    return run_dir
+
+
 def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
-    """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing."""
+    """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing.
+
+    With several processes (``trainer.devices``/``num_nodes``), each rank owns its environments,
+    replay buffer and seed stream (seeds offset by 1000 per rank); the weights start identical.
+    """
     import lightning as L
     import torch
+    from lightning.pytorch.callbacks import TQDMProgressBar
     from torch.utils.data import DataLoader
 
     from pixelsac.callbacks import Checkpointer, Evaluator, ProgressBar, StopWhenCollected, TrainingLogger
@@ -113,9 +157,11 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     from pixelsac.module import SACModule
     from pixelsac.replay import ReplaySet
 
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
-    if resume_from is None and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())) \
-            and not cfg.overwrite:
+    trainer = make_trainer(cfg)
+    rank, world = trainer.global_rank, trainer.world_size
+    run_dir = shared_run_dir(cfg, rank)
+    if rank == 0 and resume_from is None and run_dir.exists() \
+            and (not run_dir.is_dir() or any(run_dir.iterdir())) and not cfg.overwrite:
         raise UsageError(f"run directory {run_dir} already exists and is not empty; "
                          "choose another run_dir=..., pass overwrite=true, or resume=" + str(run_dir))
     if cfg.train.num_threads:
@@ -127,33 +173,33 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
                       episode_frames=cfg.env.episode_frames)
     eval_env = DMCEnv(cfg.task, seed=cfg.seed + 100_000, **env_kwargs)
     eval_env.render(16)  # a missing GL library fails here, before anything is written (no RNG drawn)
-    seeds = [cfg.seed + i for i in range(cfg.env.num_envs)]
+    rank_seed = cfg.seed + 1000 * rank
+    seeds = [rank_seed + i for i in range(cfg.env.num_envs)]
     env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1, **env_kwargs)
 
     replay = ReplaySet(cfg.env.num_envs, cfg.replay.capacity, env.frame_shape, env.frame_dtype,
                        env.frame_stack, env.action_dim)
     module = SACModule(to_plain(cfg), env.obs_shape, env.action_dim)
-    rng = np.random.default_rng(cfg.seed)
-    collector = Collector(env, replay, module.act, cfg.train.seed_steps, rng)
-    total_agent_steps = -(-cfg.train.env_frames // env.action_repeat)
+    if rank > 0:  # identical initial weights everywhere; each rank augments and samples its own way
+        torch.manual_seed(rank_seed)
+    rng = np.random.default_rng(rank_seed)
+    seed_steps = -(-cfg.train.seed_steps // world)  # like the budget, seed steps count over all ranks
+    collector = Collector(env, replay, module.act, seed_steps, rng, world_size=world)
+    total_agent_steps = -(-cfg.train.env_frames // (env.action_repeat * world))  # the budget is over all ranks
     stream = ExperienceStream(collector, cfg.agent.batch_size, total_agent_steps, cfg.train.updates_per_step, rng)
 
     episode_steps = -(-cfg.env.episode_frames // env.action_repeat) * cfg.env.num_envs
     checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps)
-    callbacks = [TrainingLogger(collector), ProgressBar(collector),
+    callbacks = [TrainingLogger(collector),
                  Evaluator(eval_env, collector, checkpointer, cfg.train.eval_every_frames, cfg.train.eval_episodes,
                            video_dir=run_dir / "videos", video_every_evals=cfg.train.video_every_evals,
                            video_size=min(cfg.train.video_size, 480)),
                  checkpointer, StopWhenCollected(stream)]
-    trainer_args = dict(cfg.trainer)
-    if not trainer_args.get("enable_progress_bar", True):
-        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
-    try:
-        with _quiet_lightning():
-            trainer = L.Trainer(**trainer_args, max_epochs=-1, precision="32-true", logger=False, callbacks=callbacks,
-                                enable_checkpointing=False, default_root_dir=run_dir)
-    except Exception as exc:  # Lightning's own validation of accelerator/devices/strategy...
-        raise UsageError(f"invalid trainer settings: {str(exc).splitlines()[0]}") from exc
+    # our bar (frames first) replaces Lightning's default one
+    bars = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, TQDMProgressBar)]
+    for i in bars:
+        trainer.callbacks[i] = ProgressBar(collector)
+    trainer.callbacks.extend(callbacks)
     # its own generator: creating the loader's iterator must not draw from the global torch RNG,
     # or a resumed run would diverge from the uninterrupted one
     stream_loader = DataLoader(stream, batch_size=None, num_workers=0, generator=torch.Generator())
@@ -196,18 +242,22 @@ def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None =
     from pixelsac.module import NumericalFailure
 
     run = build_run(cfg, resume_from)
-    write_run_dir(run)
-    attach_loggers(run, resume_frames)
+    zero = run.trainer.global_rank == 0
+    if zero:
+        write_run_dir(run)
+    with _quiet_lightning():
+        attach_loggers(run, resume_frames if zero else None)
     policy = run.module.precision_policy
-    print(f"run directory: {run.run_dir}")
+    say = print if zero else (lambda *args, **kwargs: None)  # one voice under data parallelism
+    say(f"run directory: {run.run_dir}")
     if resume_from is not None:
-        print(f"resuming from {resume_from} at env frame {resume_frames}")
+        say(f"resuming from {resume_from} at env frame {resume_frames}")
     device = run.trainer.strategy.root_device
-    print(f"task {cfg.task} from {cfg.env.obs}, action repeat {run.env.action_repeat}; "
-          f"{run.trainer.world_size} x {device.type}; {policy.describe()}")
-    print(run.replay.describe())
+    say(f"task {cfg.task} from {cfg.env.obs}, action repeat {run.env.action_repeat}; "
+        f"{run.trainer.world_size} x {device.type}; {policy.describe()}")
+    say(run.replay.describe() + (f" per rank, {run.trainer.world_size} ranks" if run.trainer.world_size > 1 else ""))
     if policy.is_pure_low and device.type == "cpu":
-        print(f"warning: {cfg.precision} on a CPU is emulated and several times slower than fp32; "
+        say(f"warning: {cfg.precision} on a CPU is emulated and several times slower than fp32; "
               "use a GPU for real runs (precision=fp32 for a fast CPU run)")
     try:
         with _quiet_lightning():
@@ -224,7 +274,7 @@ def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None =
         run.env.close()  # frees the physics and its GL contexts (a long process may train many runs)
         run.eval_env.close()
     evaluator = next(c for c in run.trainer.callbacks if type(c).__name__ == "Evaluator")
-    print(f"done: {run.collector.env_frames} env frames, {run.module.updates} updates, "
+    say(f"done: {run.collector.total_env_frames} env frames, {run.module.updates} updates, "
           f"best eval return {evaluator.best_return:.1f}; checkpoints in {run.run_dir / 'checkpoints'}")
     return run
 
