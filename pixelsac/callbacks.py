@@ -221,7 +221,7 @@ class Checkpointer(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, module: Any, exception: BaseException) -> None:
         """On a numerical failure with finite weights (a collapsed loss scale), keep that state."""
-        from pixelsac.module import NumericalFailure
+        from pixelsac.precision import NumericalFailure
 
         if isinstance(exception, NumericalFailure):
             exception.env_frames = self.collector.total_env_frames

@@ -38,28 +38,9 @@ from pixelsac.augment import RandomShift
 from pixelsac.checkpoint import FORMAT_VERSION
 from pixelsac.config import from_plain
 from pixelsac.nets import build_networks
-from pixelsac.precision import PrecisionPolicy
+from pixelsac.precision import NumericalFailure, PrecisionPolicy
 
 LOSSES = ("critic", "actor", "alpha")
-
-
-class NumericalFailure(RuntimeError):
-    """Training stopped because weights went non-finite or a loss scale collapsed.
-
-    ``weights_finite`` tells whether the current state is still worth saving; the checkpoint
-    callback fills in ``env_frames`` and ``checkpoint`` (the last good state on disk).
-    """
-
-    def __init__(self, message: str, weights_finite: bool) -> None:
-        super().__init__(message)
-        self.weights_finite = weights_finite
-        self.env_frames: int | None = None
-        self.checkpoint: str | None = None
-
-    def __str__(self) -> str:
-        where = f" at env frame {self.env_frames}" if self.env_frames is not None else ""
-        saved = f"; last good checkpoint: {self.checkpoint}" if self.checkpoint else "; no good checkpoint was written"
-        return f"{self.args[0]}{where}{saved}"
 
 
 class SACModule(L.LightningModule):

@@ -239,7 +239,7 @@ def write_run_dir(run: Run) -> None:
 
 def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None = None) -> Run:
     """Build, announce and fit a run (continuing from ``resume_from`` when given)."""
-    from pixelsac.module import NumericalFailure
+    from pixelsac.precision import NumericalFailure
 
     run = build_run(cfg, resume_from)
     zero = run.trainer.global_rank == 0
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     from pixelsac.checkpoint import CheckpointError
     from pixelsac.envs import EnvError
     from pixelsac.envs.vector import EnvWorkerError
-    from pixelsac.module import NumericalFailure
+    from pixelsac.precision import NumericalFailure
 
     try:
         train(*resolve_config(argv))

@@ -7,7 +7,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from pixelsac.config import load_config, to_plain
-from pixelsac.module import NumericalFailure, SACModule
+from pixelsac.module import SACModule
+from pixelsac.precision import NumericalFailure
 from pixelsac.precision import SIX, PrecisionPolicy, materialize_optimizer_state, state_bytes
 from test_module import fit, make_batch, make_module
 

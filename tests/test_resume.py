@@ -98,7 +98,7 @@ def test_collapsed_loss_scale_stops_with_message_and_loadable_checkpoint(tmp_pat
 
 def test_nonfinite_weights_stop_the_run_and_are_never_checkpointed(tmp_path):
     from test_module import fit, make_batch, make_module
-    from pixelsac.module import NumericalFailure
+    from pixelsac.precision import NumericalFailure
 
     module = make_module("precision=fp32", "train.log_every_updates=1")
     with torch.no_grad():
@@ -174,3 +174,15 @@ def test_pickled_objects_are_refused_unless_trusted(tmp_path):
                       "trainer.enable_progress_bar=false", cwd=tmp_path,
                       extra_path=str(REPO / "tests"))
     assert trusted.returncode == 0, trusted.stderr[-2000:]
+
+
+def test_naive_fp16_run_stops_loudly_at_its_first_update(tmp_path):
+    """Naive fp16 (all six off) turns the weights to NaN at the first update; the run must stop
+    with exit code 3 and say so -- never act, train or checkpoint on NaNs."""
+    run_dir = tmp_path / "run"
+    result = run_cli(*TINY, "precision=fp16", "lowp.all=false", f"run_dir={run_dir}", cwd=tmp_path)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith("error: training stopped: ")
+    assert "non-finite" in result.stderr
+    assert not (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert (run_dir / "failure.json").is_file()
