@@ -39,8 +39,6 @@ class TrainingLogger(L.Callback):
 
     def __init__(self, collector: Collector) -> None:
         self.collector = collector
-        self._last_time = time.perf_counter()
-        self._last_frames = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         counters = _counters(self.collector, module)
@@ -55,9 +53,6 @@ class TrainingLogger(L.Callback):
                 row[f"lowp/loss_scale_{name}"] = scale
             for name, count in module.skipped.items():
                 row[f"lowp/skipped_{name}"] = count
-            now = time.perf_counter()
-            row["perf/env_frames_per_s"] = (counters["env_frames"] - self._last_frames) / max(now - self._last_time, 1e-9)
-            self._last_time, self._last_frames = now, counters["env_frames"]
             _log(trainer, {**row, **counters}, step=counters["env_frames"])
             module.log("critic_loss", row["train/critic_loss"], prog_bar=True, logger=False, batch_size=1)
 

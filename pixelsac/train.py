@@ -155,6 +155,7 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     from pixelsac.envs import DMCEnv
     from pixelsac.envs.vector import make_envs
     from pixelsac.module import SACModule
+    from pixelsac.perf import PerfTracker
     from pixelsac.replay import ReplaySet
 
     trainer = make_trainer(cfg)
@@ -200,6 +201,8 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     for i in bars:
         trainer.callbacks[i] = ProgressBar(collector)
     trainer.callbacks.extend(callbacks)
+    if cfg.perf.track:  # first: its update clock must stop before any other callback's batch-end work
+        trainer.callbacks.insert(0, PerfTracker(collector, run_dir, cfg))
     # its own generator: creating the loader's iterator must not draw from the global torch RNG,
     # or a resumed run would diverge from the uninterrupted one
     stream_loader = DataLoader(stream, batch_size=None, num_workers=0, generator=torch.Generator())

@@ -1,0 +1,699 @@
+"""Benchmark the update step under each precision mode::
+
+    python -m pixelsac.bench                                     # the configured agent, default modes
+    python -m pixelsac.bench agent.batch_size=128 bench.modes=fp32,fp16
+    python -m pixelsac.bench bench.batch_sizes=128,512 bench.ablations=true bench.updates=500
+    python -m pixelsac.bench bench.channels_last=both bench.compile=both bench.modes=fp32,fp16
+
+Every cell (mode x batch size x speed option) builds the configured agent afresh and times its
+real training step (``SACModule.training_step`` under a Lightning Trainer, no environment) on one
+synthetic batch of the run's shapes: ``bench.warmup`` untimed updates, then the mean and standard
+deviation over ``bench.updates`` timed ones. Reported per cell: ms/update, peak memory, bytes of
+parameters + optimizer state + target copies, and each one's ratio to fp32 at the same batch
+size; also the replay buffer's bytes per transition. Results go to ``bench.out`` as bench.csv,
+bench.md, bench.json and bench.png.
+
+Arguments are ``key=value``. Keys other than ``bench.*`` are the training configuration's
+(``conf/config.yaml``: ``agent.*``, ``env.*``, ``lowp.*``, ``task``, ``seed``, ...); each mode
+sets ``precision`` and ``lowp.all`` (and one switch for an ablation) over them. ``trainer.*``
+keys are not used: the benchmark runs one device (``bench.device``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pixelsac.config import ConfigError, load_config, parse_overrides, to_plain
+
+SIX = ("hadam", "loss_scaling", "kahan_gradients", "kahan_momentum", "softplus_fix", "normal_fix")
+_CELL_MARK = "PIXELSAC_BENCH_ROW "
+_ALLOCATOR_VARS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+class BenchError(ValueError):
+    """A bad benchmark option (exit code 2, nothing written)."""
+
+
+# --- modes -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One precision mode: the config overrides that make it, and where it can run."""
+
+    name: str
+    overrides: tuple[str, ...]
+    what: str
+    tf32: bool = False            # TF32 tensor-core matmuls and convolutions (GPU)
+    only_on: str | None = None    # "cuda" or "cpu": skipped elsewhere, with a note
+
+
+def _modes() -> dict[str, Mode]:
+    modes = [
+        Mode("fp32", ("precision=fp32", "lowp.all=false"), "fp32, DrQ as published (on a GPU: IEEE fp32, TF32 off)"),
+        Mode("tf32", ("precision=fp32", "lowp.all=false"), "fp32 parameters, TF32 tensor-core matmuls and convolutions",
+             tf32=True, only_on="cuda"),
+        Mode("amp", ("precision=amp",), "fp32 parameters, autocast fp16, one GradScaler per optimizer"),
+        Mode("bf16", ("precision=bf16",), "pure bf16 (five modifications; bf16 needs no loss scaling)"),
+        Mode("fp16-naive", ("precision=fp16", "lowp.all=false"), "pure fp16 without the six (naive fp16)"),
+        Mode("fp16", ("precision=fp16", "lowp.all=true"), "pure fp16 with the six modifications"),
+        Mode("fp16-native", ("precision=fp16", "lowp.all=true", "lowp.fp32_accumulate=false"),
+             "fp16 + six on the CPU's native fp16 kernels (fp32-accumulate emulation off)", only_on="cpu"),
+    ]
+    modes += [Mode(f"fp16-no-{switch}", ("precision=fp16", "lowp.all=true", f"lowp.{switch}=false"),
+                   f"fp16 + six without {switch} (ablation)") for switch in SIX]
+    return {mode.name: mode for mode in modes}
+
+
+MODES = _modes()
+DEFAULT_MODES = ("fp32", "tf32", "amp", "bf16", "fp16-naive", "fp16", "fp16-native")
+ABLATIONS = tuple(f"fp16-no-{switch}" for switch in SIX)
+
+
+# --- options ---------------------------------------------------------------------------------
+_ON_OFF = ("off", "on", "both")
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+#: bench.* options: name -> (default, help)
+OPTIONS: dict[str, tuple[Any, str]] = {
+    "modes": (",".join(DEFAULT_MODES), "comma-separated modes: " + ", ".join(MODES) + "; 'all' = defaults + ablations"),
+    "ablations": (False, "also run fp16 minus each one of the six switches"),
+    "batch_sizes": (None, "comma-separated batch sizes (default: agent.batch_size)"),
+    "updates": (None, "timed updates per cell (default: 500 on a GPU, as the paper; 3 on a CPU)"),
+    "warmup": (None, "untimed updates before timing (default: 20 on a GPU, 1 on a CPU)"),
+    "channels_last": ("off", "channels_last memory format for the conv trunk: off | on | both"),
+    "compile": ("off", "torch.compile the networks (trunk, projections, Q heads, actor): off | on | both"),
+    "compile_mode": ("default", "torch.compile mode: " + " | ".join(_COMPILE_MODES) + " (inductor only)"),
+    "compile_backend": ("inductor", "torch.compile backend (eager / aot_eager to check the wiring cheaply)"),
+    "isolate": (None, "one fresh process per cell, so a CPU's peak RSS is the cell's own "
+                      "(default: true on a CPU, false on a GPU where the CUDA allocator resets its peak)"),
+    "device": ("auto", "auto | cpu | cuda"),
+    "out": (None, "output folder (default: runs/bench/<date>-<time>)"),
+    "overwrite": (False, "allow writing into an existing, non-empty output folder"),
+}
+
+USAGE = (__doc__ or "") + "\nbench.* options:\n" + "\n".join(
+    f"  bench.{name:<16} {help_text}" + ("" if default is None else f" [default: {str(default).lower()}]")
+    for name, (default, help_text) in OPTIONS.items())
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    modes: list[str]
+    batch_sizes: list[int] | None
+    updates: int | None
+    warmup: int | None
+    channels_last: str
+    compile: str
+    compile_mode: str
+    compile_backend: str
+    isolate: bool | None
+    device: str
+    out: str | None
+    overwrite: bool
+
+
+def _as_list(key: str, value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return [value]
+
+
+def _positive_int(key: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = "a positive integer" if low > 0 else "an integer >= 0"
+        raise BenchError(f"bench.{key}={value!r} must be {what}")
+    return value
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value is True:
+        value = "on"
+    elif value is False:
+        value = "off"
+    if value not in choices:
+        raise BenchError(f"bench.{key}={value!r}; choose one of {', '.join(choices)}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise BenchError(f"bench.{key}={value!r} takes true or false")
+    return value
+
+
+def parse_options(given: dict[str, Any]) -> BenchOptions:
+    """Check and convert the ``bench.*`` options (without the prefix); raise BenchError."""
+    for key in given:
+        if key not in OPTIONS:
+            close = difflib.get_close_matches(key, list(OPTIONS), n=1, cutoff=0.6)
+            hint = f" (did you mean 'bench.{close[0]}'?)" if close else ""
+            raise BenchError(f"unknown key 'bench.{key}'{hint}; bench options: "
+                             + ", ".join(f"bench.{k}" for k in OPTIONS))
+    value = {k: given.get(k, default) for k, (default, _) in OPTIONS.items()}
+
+    modes: list[str] = []
+    for name in _as_list("modes", value["modes"]):
+        names = [*DEFAULT_MODES, *ABLATIONS] if name == "all" else [name]
+        for each in names:
+            if each not in MODES:
+                close = difflib.get_close_matches(str(each), list(MODES), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise BenchError(f"unknown mode {each!r}{hint}; modes: {', '.join(MODES)}")
+            if each not in modes:
+                modes.append(each)
+    if _bool("ablations", value["ablations"]):
+        modes += [name for name in ABLATIONS if name not in modes]
+    if not modes:
+        raise BenchError("bench.modes is empty; modes: " + ", ".join(MODES))
+
+    batch_sizes = None
+    if value["batch_sizes"] is not None:
+        batch_sizes = [_positive_int("batch_sizes", b) for b in _as_list("batch_sizes", value["batch_sizes"])]
+        if not batch_sizes:
+            raise BenchError("bench.batch_sizes is empty")
+    isolate = value["isolate"]
+    if isolate is not None and isolate != "auto":
+        isolate = _bool("isolate", isolate)
+    elif isolate == "auto":
+        isolate = None
+    out = value["out"]
+    if out is not None and (not isinstance(out, str) or not out.strip()):
+        raise BenchError(f"bench.out={out!r} must be a folder path")
+    backend = value["compile_backend"]
+    if not isinstance(backend, str) or not backend:
+        raise BenchError(f"bench.compile_backend={backend!r} must be a backend name such as inductor")
+    return BenchOptions(
+        modes=modes,
+        batch_sizes=batch_sizes,
+        updates=None if value["updates"] is None else _positive_int("updates", value["updates"]),
+        warmup=None if value["warmup"] is None else _positive_int("warmup", value["warmup"], low=0),
+        channels_last=_choice("channels_last", value["channels_last"], _ON_OFF),
+        compile=_choice("compile", value["compile"], _ON_OFF),
+        compile_mode=_choice("compile_mode", value["compile_mode"], _COMPILE_MODES),
+        compile_backend=backend,
+        isolate=isolate,
+        device=_choice("device", value["device"], ("auto", "cpu", "cuda")),
+        out=out,
+        overwrite=_bool("overwrite", value["overwrite"]),
+    )
+
+
+def split_arguments(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``bench.*`` options (typed, prefix removed) and the training-config overrides."""
+    bench: dict[str, Any] = {}
+    rest: list[str] = []
+    for item in argv:
+        if item.strip().startswith("bench."):
+            (key, value), = parse_overrides([item]).items()
+            bench[key.removeprefix("bench.")] = value
+        else:
+            rest.append(item)
+    return bench, rest
+
+
+# --- one cell --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class CellSpec:
+    """Everything one measurement needs, as plain data (it crosses a process boundary)."""
+
+    mode: str
+    overrides: list[str]          # the user's overrides, then the mode's, then the batch size
+    batch_size: int
+    channels_last: bool
+    compile: bool
+    compile_mode: str
+    compile_backend: str
+    updates: int
+    warmup: int
+    device: str
+    obs_shape: list[int]
+    action_dim: int
+
+    @property
+    def variant(self) -> str:
+        return "+".join(name for name, on in (("channels_last", self.channels_last), ("compile", self.compile)) if on)
+
+
+def apply_speed_options(module: Any, channels_last: bool, compile: bool, compile_mode: str = "default",
+                        compile_backend: str = "inductor") -> None:
+    """GPU-speed switches that need no change to the module's code.
+
+    ``channels_last``: every 4-D tensor of the module (conv weights of the critic, its target
+    and the Kahan-momentum copies) in NHWC, so cuDNN runs the trunk's convolutions channels-last
+    (a convolution follows its weight's memory format). ``compile``: ``nn.Module.compile`` on the
+    trunk, projection and Q heads of the critic and its target, and on the actor -- in place, so
+    parameter names, optimizers and checkpoints are unchanged. The augmentation, the losses'
+    elementwise math and the optimizers stay eager.
+    """
+    import torch
+
+    if channels_last:
+        module.to(memory_format=torch.channels_last)
+    if compile:
+        kwargs: dict[str, Any] = {"backend": compile_backend}
+        if compile_backend == "inductor" and compile_mode != "default":
+            kwargs["mode"] = compile_mode
+        for critic in (module.critic, module.critic_target):
+            for part in (critic.trunk, critic.proj, critic.q1, critic.q2):
+                part.compile(**kwargs)
+        module.actor.compile(**kwargs)
+
+
+def _set_tf32(enabled: bool) -> None:
+    # The legacy switches, on purpose: Lightning reads torch.get_float32_matmul_precision(), which
+    # raises once the new fp32_precision API and the legacy one have both been used.
+    import torch
+
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def _compute(cfg: Any, mode: Mode, device_type: str) -> tuple[str, bool]:
+    """What the arithmetic really ran in, and whether half precision was emulated on a CPU."""
+    from pixelsac.precision import PrecisionPolicy
+
+    policy = PrecisionPolicy.from_config(cfg, device_type)
+    if mode.tf32:
+        return "fp32 storage, TF32 tensor cores", False
+    if policy.mode == "fp32":
+        return ("fp32 (IEEE, TF32 off)" if device_type == "cuda" else "fp32"), False
+    if policy.mode == "amp":
+        return ("autocast fp16" + (" (native CPU fp16 kernels)" if device_type == "cpu" else "")), False
+    low = str(policy.param_dtype).removeprefix("torch.")
+    if policy.fp32_accumulate:
+        return f"{low} storage, fp32-accumulated conv/matmul (emulated tensor cores)", True
+    return (f"native CPU {low} kernels" if device_type == "cpu" else f"{low} tensor cores"), False
+
+
+def run_cell(spec: CellSpec) -> dict[str, Any]:
+    """Measure one cell in this process; returns its row (no ratios yet)."""
+    import torch
+
+    from pixelsac.perf import synthetic_batch, time_updates
+
+    cfg = load_config(spec.overrides)
+    mode = MODES[spec.mode]
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        _set_tf32(mode.tf32)
+    batch = synthetic_batch(spec.batch_size, tuple(spec.obs_shape), spec.action_dim, seed=int(cfg.seed))
+
+    def prepare(module: Any) -> None:
+        apply_speed_options(module, spec.channels_last, spec.compile, spec.compile_mode, spec.compile_backend)
+
+    timed = time_updates(to_plain(cfg), tuple(spec.obs_shape), spec.action_dim, batch, device,
+                         spec.updates, spec.warmup, prepare=prepare)
+    compute, emulated = _compute(cfg, mode, device.type)
+    row: dict[str, Any] = {
+        "mode": spec.mode, "variant": spec.variant, "batch_size": spec.batch_size, "device": spec.device,
+        "compute": compute, "emulated": emulated, "updates": len(timed.ms), "warmup": spec.warmup,
+        "ms_mean": timed.mean_ms, "ms_std": timed.std_ms,
+        "ms_median": statistics.median(timed.ms) if timed.ms else math.nan,
+        "ms_min": min(timed.ms) if timed.ms else math.nan,
+        "peak_mem_bytes": timed.peak_bytes,
+        "peak_mem_kind": "cuda_max_allocated" if timed.peak_bytes is not None else "not measured (CPU, in-process)",
+        "rss_peak_bytes": None,
+        "state_bytes": timed.state["total"], "state_parameters": timed.state["parameters"],
+        "state_optimizer": timed.state["optimizer"], "state_target": timed.state["target"],
+        "finite_after_first_update": timed.finite_after_first, "finite_at_end": timed.finite_at_end,
+        **{f"skipped_{k}": v for k, v in timed.skipped.items()},
+        **{f"loss_scale_{k}": v for k, v in timed.loss_scales.items()},
+        "status": "ok",
+    }
+    return row
+
+
+def _cell_main(spec_json: str) -> int:
+    """Child-process entry: measure one cell and print its row; the peak RSS is this process's."""
+    from pixelsac.perf import rss_bytes, rss_peak_bytes
+
+    spec = CellSpec(**json.loads(spec_json))
+    _apply_threads(spec.overrides)
+    baseline = rss_bytes()  # libraries imported, nothing of the agent built yet
+    row = run_cell(spec)
+    peak = rss_peak_bytes()
+    if spec.device == "cpu" and baseline is not None:
+        row["peak_mem_bytes"] = max(peak - baseline, 0)
+        row["peak_mem_kind"] = "rss_peak_above_baseline (fresh process)"
+        row["rss_peak_bytes"] = peak
+    print(_CELL_MARK + json.dumps(row), flush=True)
+    return 0
+
+
+def _apply_threads(overrides: list[str]) -> None:
+    import torch
+
+    threads = load_config(overrides).train.num_threads
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def run_cell_isolated(spec: CellSpec) -> dict[str, Any]:
+    """Measure one cell in a fresh Python process (its peak RSS is the cell's own)."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, "-m", "pixelsac.bench", "--cell", json.dumps(dataclasses.asdict(spec))],
+                            capture_output=True, text=True, env=env)
+    for line in result.stdout.splitlines():
+        if line.startswith(_CELL_MARK):
+            return json.loads(line[len(_CELL_MARK):])
+    tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"cell process exited {result.returncode}: {tail}")
+
+
+# --- the plan --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Plan:
+    """A checked benchmark: every cell's configuration was composed and validated."""
+
+    options: BenchOptions
+    overrides: list[str]
+    cfg: Any
+    device: str
+    out: Path
+    cells: list[CellSpec]
+    notes: list[str]
+    replay: dict[str, Any]
+    isolate: bool
+
+
+def _shapes(cfg: Any) -> tuple[tuple[int, ...], int, tuple[int, ...], Any]:
+    """Observation shape, action size, frame shape and dtype of the configured task (no rendering)."""
+    from pixelsac.envs import DMCEnv
+
+    env = DMCEnv(cfg.task, obs=cfg.env.obs, image_size=cfg.env.image_size, frame_stack=cfg.env.frame_stack,
+                 action_repeat=cfg.env.action_repeat, camera_id=cfg.env.camera_id, seed=cfg.seed,
+                 episode_frames=cfg.env.episode_frames)
+    try:
+        return tuple(env.obs_shape), env.action_dim, tuple(env.frame_shape), env.frame_dtype
+    finally:
+        env.close()
+
+
+def make_plan(argv: list[str]) -> Plan:
+    """Check every argument and compose every cell's configuration; writes nothing.
+
+    Raises ConfigError, EnvError or BenchError with a one-line message."""
+    given, overrides = split_arguments(argv)
+    options = parse_options(given)
+    from pixelsac.envs import available_tasks
+
+    cfg = load_config(overrides, valid_tasks=available_tasks())
+    import torch
+
+    device = options.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("bench.device=cuda but torch sees no CUDA device")
+    out = Path(options.out) if options.out else Path("runs") / "bench" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not options.overwrite:
+        raise BenchError(f"output folder {out} already exists and is not empty; "
+                         "choose another bench.out=... or pass bench.overwrite=true")
+    on_gpu = device == "cuda"
+    updates = options.updates or (500 if on_gpu else 3)
+    warmup = options.warmup if options.warmup is not None else (20 if on_gpu else 1)
+    batch_sizes = options.batch_sizes or [int(cfg.agent.batch_size)]
+    obs_shape, action_dim, frame_shape, frame_dtype = _shapes(cfg)
+
+    notes: list[str] = []
+    modes = []
+    for name in options.modes:
+        mode = MODES[name]
+        if mode.only_on is not None and mode.only_on != device:
+            notes.append(f"{name}: skipped on a {device.upper() if on_gpu else 'CPU'} -- "
+                         + ("TF32 is a GPU tensor-core format" if name == "tf32"
+                            else "fp32-accumulate emulation exists only on a CPU, so it would repeat fp16"))
+            continue
+        modes.append(mode)
+    layouts = {"off": [False], "on": [True], "both": [False, True]}
+    cells = []
+    for batch_size in batch_sizes:
+        for channels_last in layouts[options.channels_last]:
+            for compile in layouts[options.compile]:
+                for mode in modes:
+                    cell_overrides = [*overrides, *mode.overrides, f"agent.batch_size={batch_size}"]
+                    load_config(cell_overrides)  # a mode that clashes with the overrides fails now
+                    cells.append(CellSpec(mode.name, cell_overrides, batch_size, channels_last, compile,
+                                          options.compile_mode, options.compile_backend, updates, warmup,
+                                          device, list(obs_shape), action_dim))
+    if not cells:
+        raise BenchError(f"nothing to run on a {device}: " + "; ".join(notes))
+    from pixelsac.replay import ReplayBuffer
+
+    # bytes per transition do not depend on capacity; a tiny buffer allocates almost nothing
+    replay = ReplayBuffer(cfg.env.frame_stack + 8, frame_shape, frame_dtype,
+                          cfg.env.frame_stack if cfg.env.obs == "pixels" else 1, action_dim)
+    replay_info = {"bytes_per_transition": replay.bytes_per_transition, "capacity": int(cfg.replay.capacity),
+                   "frame_shape": list(frame_shape), "frame_dtype": str(frame_dtype), "action_dim": action_dim}
+    isolate = options.isolate if options.isolate is not None else not on_gpu
+    return Plan(options, overrides, cfg, device, out, cells, notes, replay_info, isolate)
+
+
+# --- ratios and reports ----------------------------------------------------------------------
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row's ratios to the fp32 row of the same batch size and speed variant:
+    ``speedup_vs_fp32`` = fp32 ms ÷ mode ms, ``state_vs_fp32`` and ``peak_vs_fp32`` = mode bytes ÷
+    fp32 bytes (peak only when both were measured the same way). None where there is no fp32."""
+    from pixelsac.perf import ratio, speedup
+
+    reference = {(r["batch_size"], r["variant"]): r for r in rows if r["mode"] == "fp32" and r["status"] == "ok"}
+    for row in rows:
+        fp32 = reference.get((row["batch_size"], row["variant"]))
+        ok = fp32 is not None and row["status"] == "ok"
+        row["speedup_vs_fp32"] = speedup(fp32["ms_mean"], row["ms_mean"]) if ok else None
+        row["state_vs_fp32"] = ratio(row["state_bytes"], fp32["state_bytes"]) if ok else None
+        same_kind = ok and fp32["peak_mem_kind"] == row["peak_mem_kind"]
+        row["peak_vs_fp32"] = ratio(row["peak_mem_bytes"], fp32["peak_mem_bytes"]) if same_kind else None
+    return rows
+
+
+CSV_COLUMNS = ("mode", "variant", "batch_size", "device", "compute", "emulated", "updates", "warmup",
+               "ms_mean", "ms_std", "ms_median", "ms_min", "speedup_vs_fp32", "peak_mem_bytes", "peak_mem_kind",
+               "rss_peak_bytes", "peak_vs_fp32", "state_bytes", "state_parameters", "state_optimizer",
+               "state_target", "state_vs_fp32", "finite_after_first_update", "finite_at_end", "skipped_critic",
+               "skipped_actor", "skipped_alpha", "loss_scale_critic", "loss_scale_actor", "loss_scale_alpha",
+               "status")
+
+
+def _cpu_statement(rows: list[dict[str, Any]], device: str) -> list[str]:
+    if device != "cpu":
+        return []
+    lines = ["**This ran on a CPU.** Half precision here is slower than fp32: these are not the speed-ups "
+             "a GPU gives. fp16/bf16 rows marked *emulated* keep fp16/bf16 storage and elementwise math but "
+             "run convolutions and matmuls with fp32 accumulation (`lowp.fp32_accumulate`, what GPU tensor "
+             "cores do); `fp16-native` runs the CPU's own fp16 kernels; `amp` on a CPU autocasts to native "
+             "CPU fp16 kernels."]
+    by_batch: dict[tuple[int, str], dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            by_batch.setdefault((row["batch_size"], row["variant"]), {})[row["mode"]] = row
+    for (batch_size, variant), modes in sorted(by_batch.items()):
+        if "fp16" in modes and "fp16-native" in modes:
+            emulated, native = modes["fp16"]["ms_mean"], modes["fp16-native"]["ms_mean"]
+            lines.append(f"fp32-accumulate on vs off (fp16 + six, batch {batch_size}{' ' + variant if variant else ''}): "
+                         f"{emulated:,.1f} vs {native:,.1f} ms/update -- emulation is {native / emulated:.2f}x "
+                         "faster than this CPU's native fp16 kernels (this machine's speed-up)")
+    return lines
+
+
+def _fmt(value: Any, spec: str, missing: str = "n/a") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return missing
+    return format(value, spec)
+
+
+def _mib(value: Any) -> str:
+    return _fmt(None if value is None else value / 2**20, ",.1f")
+
+
+def markdown(plan: Plan, rows: list[dict[str, Any]], header: list[str]) -> str:
+    lines = ["# pixelsac update-step benchmark", "", *header, ""]
+    lines += [*(f"- {line}" for line in _cpu_statement(rows, plan.device)), ""]
+    lines += ["| mode | variant | batch | compute | ms/update (mean ± std) | min | speed-up vs fp32 | peak MiB | "
+              "peak vs fp32 | state MiB | state vs fp32 | finite | skipped c/a/α |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | | {r['status']} | | | | | | | | |")
+            continue
+        finite = "yes" if r["finite_at_end"] else ("**non-finite after update 1**" if not r["finite_after_first_update"]
+                                                   else "**non-finite**")
+        lines.append(
+            f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | {r['compute']} | "
+            f"{_fmt(r['ms_mean'], ',.2f')} ± {_fmt(r['ms_std'], ',.2f')} | {_fmt(r['ms_min'], ',.2f')} | "
+            f"{_fmt(r['speedup_vs_fp32'], '.2f')} | "
+            f"{_mib(r['peak_mem_bytes'])} | {_fmt(r['peak_vs_fp32'], '.2f')} | {_mib(r['state_bytes'])} | "
+            f"{_fmt(r['state_vs_fp32'], '.2f')} | {finite} | "
+            f"{r.get('skipped_critic', 0)}/{r.get('skipped_actor', 0)}/{r.get('skipped_alpha', 0)} |")
+    kinds = sorted({r["peak_mem_kind"] for r in rows if r["status"] == "ok"})
+    lines += ["", "Peak memory: " + "; ".join(kinds) + ". State = parameters + optimizer state + target copies "
+              "(pixelsac.precision.state_bytes). Ratios are to fp32 at the same batch size and variant."]
+    replay = plan.replay
+    lines += ["", f"Replay: {replay['bytes_per_transition']:,.0f} bytes per transition ({replay['frame_dtype']} frames "
+                  f"{'x'.join(map(str, replay['frame_shape']))} stored once, action dim {replay['action_dim']}); "
+                  f"{replay['capacity']:,} transitions = "
+                  f"{replay['bytes_per_transition'] * replay['capacity'] / 1e9:.2f} GB "
+                  "whatever the precision (fp16 does not shrink uint8 frames)."]
+    notes = list(plan.notes)
+    for r in rows:
+        if r["status"] == "ok" and not r["finite_at_end"]:
+            notes.append(f"{r['mode']} (batch {r['batch_size']}{', ' + r['variant'] if r['variant'] else ''}): "
+                         "parameters non-finite "
+                         f"{'after the first update' if not r['finite_after_first_update'] else 'by the end'}"
+                         "; timed anyway, but a time spent computing on NaN is no guide to the mode's speed")
+    if notes:
+        lines += ["", "Notes:", *(f"- {note}" for note in notes)]
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Bars of ms/update and of state/peak MiB per cell; non-finite cells hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    labels = [f"{r['mode']}{' ' + r['variant'] if r['variant'] else ''}{' (emulated)' if r['emulated'] else ''}"
+              f"\nb{r['batch_size']}" for r in ok]
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(max(8, 0.9 * len(ok) + 4), 4.8))
+    x = list(range(len(ok)))
+    for i, r in enumerate(ok):
+        hatch = "//" if not r["finite_at_end"] else None
+        ax_time.bar(i, r["ms_mean"], yerr=r["ms_std"], color="tab:red" if r["mode"].startswith("fp16") else "tab:blue",
+                    hatch=hatch, edgecolor="black", linewidth=0.5)
+        if not r["finite_at_end"]:
+            ax_time.text(i, r["ms_mean"], "NaN", ha="center", va="bottom", fontsize=7)
+    ax_time.set_ylabel("ms / update")
+    ax_time.set_title("update time (mean ± std)")
+    width = 0.4
+    ax_mem.bar([i - width / 2 for i in x], [r["state_bytes"] / 2**20 for r in ok], width, label="state")
+    peaks = [(i, r["peak_mem_bytes"] / 2**20) for i, r in enumerate(ok) if r["peak_mem_bytes"] is not None]
+    if peaks:
+        ax_mem.bar([i + width / 2 for i, _ in peaks], [p for _, p in peaks], width, label="peak")
+    ax_mem.set_ylabel("MiB")
+    ax_mem.set_title("memory: state = params + optimizer + target", fontsize=9)
+    ax_mem.legend()
+    for ax in (ax_time, ax_mem):
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(plan: Plan, rows: list[dict[str, Any]], header: list[str], with_chart: bool) -> None:
+    import csv
+
+    plan.out.mkdir(parents=True, exist_ok=True)
+    with open(plan.out / "bench.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row.get(k) for k in CSV_COLUMNS})
+    (plan.out / "bench.md").write_text(markdown(plan, rows, header))
+    meta = {"header": header, "notes": plan.notes, "replay": plan.replay, "overrides": plan.overrides,
+            "options": dataclasses.asdict(plan.options), "rows": rows}
+    (plan.out / "bench.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    if with_chart:
+        chart(rows, plan.out / "bench.png", header[0].removeprefix("- "))
+
+
+def _header(plan: Plan) -> list[str]:
+    import torch
+
+    if plan.device == "cuda":
+        where = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    else:
+        where = f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    allocator = ", ".join(f"{v}={os.environ[v]}" for v in _ALLOCATOR_VARS if v in os.environ) or "not set"
+    cell = plan.cells[0]
+    cfg = plan.cfg
+    shape = "x".join(map(str, cell.obs_shape))
+    return [
+        f"- device: {where}",
+        f"- agent: {cfg.task}, obs {shape}, action dim {cell.action_dim}, {cfg.agent.num_filters} filters x "
+        f"{cfg.agent.num_conv_layers} convs, feature {cfg.agent.feature_dim}, hidden {cfg.agent.hidden_dim} x "
+        f"{cfg.agent.hidden_depth}, K={cfg.agent.aug_target_copies} M={cfg.agent.aug_q_copies}",
+        f"- {cell.updates} timed updates per cell after {cell.warmup} warm-up; "
+        f"{'one fresh process per cell' if plan.isolate else 'all cells in one process'}",
+        f"- glibc allocator settings: {allocator}",
+        "- GPU fp32 rows run with TF32 off; training with precision=fp32 uses PyTorch's defaults "
+        "(TF32 cuDNN convolutions, IEEE matmuls)" if plan.device == "cuda" else "- fp32 rows: plain fp32",
+    ]
+
+
+def run_plan(plan: Plan) -> list[dict[str, Any]]:
+    """Measure every cell (a failing cell is recorded, not fatal), writing results as they come."""
+    rows: list[dict[str, Any]] = []
+    header = _header(plan)
+    print("\n".join(header))
+    for line in _cpu_statement([], plan.device):
+        print(line)
+    for spec in plan.cells:
+        label = f"{spec.mode}{' ' + spec.variant if spec.variant else ''} batch {spec.batch_size}"
+        try:
+            row = run_cell_isolated(spec) if plan.isolate else run_cell(spec)
+        except Exception as exc:  # one broken cell (a compile failure, out of memory) must not lose the rest
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            row = {"mode": spec.mode, "variant": spec.variant, "batch_size": spec.batch_size,
+                   "device": spec.device, "status": f"failed: {type(exc).__name__}: {message}"[:300]}
+        rows.append(row)
+        add_ratios(rows)
+        if row["status"] == "ok":
+            flag = "" if row["finite_at_end"] else "  [non-finite parameters: timed anyway]"
+            print(f"{label}: {row['ms_mean']:,.2f} ± {row['ms_std']:,.2f} ms/update ({row['compute']}), "
+                  f"state {_mib(row['state_bytes'])} MiB, peak {_mib(row['peak_mem_bytes'])} MiB{flag}", flush=True)
+        else:
+            print(f"{label}: {row['status']}", flush=True)
+        write_outputs(plan, rows, header, with_chart=False)
+    write_outputs(plan, rows, header, with_chart=True)
+    print()
+    print(markdown(plan, rows, header))
+    print(f"wrote {plan.out / 'bench.csv'}, bench.md, bench.json, bench.png")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(USAGE)
+        return 0
+    if argv[:1] == ["--cell"] and len(argv) == 2:
+        return _cell_main(argv[1])
+    from pixelsac.envs import EnvError
+
+    try:
+        plan = make_plan(argv)
+    except (ConfigError, EnvError, BenchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from pixelsac.perf import quiet_lightning
+
+    _apply_threads(plan.overrides)
+    with quiet_lightning():
+        run_plan(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    # The benchmark renders nothing; without this, importing dm_control (for the task's shapes)
+    # loads the OpenGL library MUJOCO_GL names, which a GPU box without display libraries lacks.
+    os.environ["MUJOCO_GL"] = "disable"
+    sys.exit(main())

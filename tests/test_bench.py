@@ -1,0 +1,143 @@
+"""The update-step benchmark: tiny CPU runs write their tables and chart, ratios are arithmetic on
+measured values, fresh-process cells measure their own memory, and bad input is refused."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pixelsac import bench
+from pixelsac.config import load_config, to_plain
+from pixelsac.module import SACModule
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["task=cartpole_swingup", "env.image_size=24", "agent.num_filters=4", "agent.feature_dim=8",
+        "agent.hidden_dim=16", "bench.batch_sizes=4", "bench.updates=2", "bench.warmup=1"]
+
+
+def row(mode, ms, state, peak=None, batch=128, variant="", kind="cuda_max_allocated", status="ok"):
+    return {"mode": mode, "batch_size": batch, "variant": variant, "ms_mean": ms, "state_bytes": state,
+            "peak_mem_bytes": peak, "peak_mem_kind": kind, "status": status}
+
+
+def test_ratios_are_computed_from_the_measured_values():
+    rows = bench.add_ratios([
+        row("fp32", 40.0, 1200, peak=9000),
+        row("fp16", 16.0, 800, peak=3000),
+        row("fp32", 100.0, 1200, peak=20000, batch=512),
+        row("fp16", 25.0, 800, peak=None, batch=512),        # peak not measured: no peak ratio
+        row("fp16", 10.0, 800, peak=3000, variant="channels_last"),  # no fp32 with channels_last
+        row("bf16", 5.0, 600, status="failed: out of memory"),
+    ])
+    fp32, fp16, fp32_512, fp16_512, fp16_cl, failed = rows
+    assert fp32["speedup_vs_fp32"] == 1.0 and fp32["state_vs_fp32"] == 1.0
+    assert fp16["speedup_vs_fp32"] == pytest.approx(40.0 / 16.0)   # fp32 ms / mode ms
+    assert fp16["state_vs_fp32"] == pytest.approx(800 / 1200)      # mode bytes / fp32 bytes
+    assert fp16["peak_vs_fp32"] == pytest.approx(3000 / 9000)
+    assert fp16_512["speedup_vs_fp32"] == pytest.approx(100.0 / 25.0)  # paired with fp32 at its own batch size
+    assert fp16_512["peak_vs_fp32"] is None
+    assert fp16_cl["speedup_vs_fp32"] is None and fp16_cl["state_vs_fp32"] is None
+    assert failed["speedup_vs_fp32"] is None
+
+
+def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = bench.main([*TINY, "bench.modes=fp32,fp16-naive,fp16,fp16-native", "bench.isolate=false",
+                       f"bench.out={out}"])
+    assert code == 0
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert [r["mode"] for r in rows] == ["fp32", "fp16-naive", "fp16", "fp16-native"]
+    assert all(r["status"] == "ok" and float(r["ms_mean"]) > 0 and r["updates"] == "2" for r in rows)
+    by_mode = {r["mode"]: r for r in rows}
+    for r in rows:  # every ratio is fp32's figure over (or under) the row's own measured one
+        assert float(r["speedup_vs_fp32"]) == pytest.approx(float(by_mode["fp32"]["ms_mean"]) / float(r["ms_mean"]))
+        assert float(r["state_vs_fp32"]) == pytest.approx(int(r["state_bytes"]) / int(by_mode["fp32"]["state_bytes"]))
+    assert by_mode["fp16-naive"]["finite_after_first_update"] == "False"   # naive fp16 fails at once, timed anyway
+    assert by_mode["fp16"]["finite_at_end"] == "True"
+    assert by_mode["fp16"]["emulated"] == "True" and by_mode["fp16-native"]["emulated"] == "False"
+    assert by_mode["fp16"]["peak_mem_kind"].startswith("not measured")  # in-process on a CPU: said, not guessed
+
+    text = (out / "bench.md").read_text()
+    assert "This ran on a CPU" in text and "slower than fp32" in text and "emulated" in text
+    assert "fp32-accumulate on vs off" in text  # this machine's own speed-up, fp16 emulated vs native
+    assert "non-finite after update 1" in text
+    assert "bytes per transition" in text
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    meta = json.loads((out / "bench.json").read_text())
+    assert meta["replay"]["bytes_per_transition"] > 3 * 24 * 24 and len(meta["rows"]) == 4
+    assert "fp16-native" in capsys.readouterr().out
+
+
+def test_a_fresh_process_cell_measures_its_own_peak_rss(tmp_path):
+    plan = bench.make_plan([*TINY, "bench.modes=fp32", f"bench.out={tmp_path / 'unused'}"])
+    assert plan.isolate  # the default on a CPU
+    result = bench.run_cell_isolated(plan.cells[0])
+    assert result["status"] == "ok" and result["mode"] == "fp32"
+    assert result["peak_mem_kind"].startswith("rss_peak_above_baseline")
+    assert 0 < result["peak_mem_bytes"] < result["rss_peak_bytes"]
+    assert not (tmp_path / "unused").exists()  # planning and measuring write nothing
+
+
+def test_speed_switches_keep_the_networks_output():
+    cfg = load_config(["env.image_size=24", "agent.num_filters=4", "agent.feature_dim=8", "agent.hidden_dim=16",
+                       "precision=fp32"])
+    torch.manual_seed(0)
+    plain = SACModule(to_plain(cfg), (9, 24, 24), 2)
+    torch.manual_seed(0)
+    fast = SACModule(to_plain(cfg), (9, 24, 24), 2)
+    bench.apply_speed_options(fast, channels_last=True, compile=True, compile_backend="eager")
+    conv = fast.critic.trunk.convs[0].weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    assert fast.critic_target.trunk.convs[2].weight.is_contiguous(memory_format=torch.channels_last)
+    assert [n for n, _ in fast.named_parameters()] == [n for n, _ in plain.named_parameters()]  # checkpoints unchanged
+    obs = torch.randint(0, 256, (3, 9, 24, 24)).float()
+    action = torch.rand(3, 2)
+    for expected, got in zip(plain.critic(obs, action), fast.critic(obs, action)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_help_documents_every_bench_option(capsys):
+    assert bench.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "python -m pixelsac.bench" in text
+    for name in bench.OPTIONS:
+        assert f"bench.{name}" in text, name
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench.mode=fp16"], "unknown key 'bench.mode' (did you mean 'bench.modes'?)"),
+    (["bench.modes=fp16,fp99"], "unknown mode 'fp99'"),
+    (["bench.batch_sizes=128,0"], "bench.batch_sizes=0 must be a positive integer"),
+    (["bench.updates=0"], "bench.updates=0 must be a positive integer"),
+    (["bench.channels_last=sideways"], "choose one of off, on, both"),
+    (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
+    (["task=cheeta_run"], "unknown task 'cheeta_run'"),
+    (["bench.modes=tf32", "bench.device=cpu"], "nothing to run on a cpu: tf32: skipped"),
+])
+def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    assert bench.main([*args, f"bench.out={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_output_folder_is_not_clobbered(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("precious")
+    assert bench.main([*TINY, f"bench.out={tmp_path}"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_command_line_refuses_bad_input_with_exit_code_2(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-m", "pixelsac.bench", "bench.modes=fp99"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
+    assert list(tmp_path.iterdir()) == []
