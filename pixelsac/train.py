@@ -117,7 +117,8 @@ def make_trainer(cfg: Any) -> Any:
     if isinstance(strategy, str) and strategy in SPAWNING_STRATEGIES:
         raise UsageError(f"trainer.strategy={strategy} is not supported: it pickles the run into new processes "
                          "(environments and GL contexts do not pickle); use trainer.strategy=ddp")
-    if strategy == "ddp":
+    several = args.get("devices", 1) not in (1, "1", [0]) or args.get("num_nodes", 1) > 1
+    if strategy == "ddp" or (strategy == "auto" and several):  # "auto" would pick plain DDP
         args["strategy"] = "ddp_find_unused_parameters_true"
     try:
         with _quiet_lightning():
