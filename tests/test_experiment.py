@@ -1,0 +1,204 @@
+"""tools/experiment.py: a tiny real grid (fp32 trains, naive fp16 fails numerically), resumed
+without retraining, extended by raising the budget, re-collected; the table arithmetic on
+synthetic runs; bad arguments refused in one line."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TINY
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("pixelsac_tools_experiment", REPO / "tools" / "experiment.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+experiment = _load_tool()
+GRID_OVERRIDES = [o for o in TINY if not o.startswith("task=")]
+
+
+def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    return subprocess.run([sys.executable, str(REPO / "tools" / "experiment.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
+    out = tmp_path / "grid"
+    grid = ["--modes", "fp32,fp16-naive", "--tasks", "cartpole_swingup", "--seeds", "1,2", "--obs", "pixels",
+            "--jobs", "2", "--out", str(out)]
+    first = run_tool(*grid, *GRID_OVERRIDES, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    state = json.loads((out / "grid.json").read_text())
+    runs = state["runs"]
+    assert {k: v["status"] for k, v in runs.items()} == {
+        "cartpole_swingup/fp32/s1": "done", "cartpole_swingup/fp32/s2": "done",
+        "cartpole_swingup/fp16-naive/s1": "failed", "cartpole_swingup/fp16-naive/s2": "failed"}
+    assert runs["cartpole_swingup/fp16-naive/s1"]["returncode"] == 3
+    assert state["spec"]["budget"] == 320 and state["spec"]["modes"] == ["fp32", "fp16-naive"]
+    for seed in (1, 2):
+        fp32 = out / "cartpole_swingup" / "fp32" / f"s{seed}"
+        assert (fp32 / "checkpoints" / "last.ckpt").is_file() and "done:" in (fp32 / "train.log").read_text()
+        assert "train.num_threads=1" in runs[f"cartpole_swingup/fp32/s{seed}"]["command"]
+        assert (out / "cartpole_swingup" / "fp16-naive" / f"s{seed}" / "failure.json").is_file()
+    rows = {(r["mode"], r["env_frames"]): r for r in read_csv(out / "results.csv")}
+    assert set(rows) == {("fp32", "160"), ("fp32", "320"), ("fp16-naive", "160"), ("fp16-naive", "320")}
+    assert rows[("fp32", "320")]["n"] == "2" and rows[("fp32", "320")]["failed"] == "0"
+    assert rows[("fp32", "320")]["mean"] != "" and rows[("fp32", "320")]["iqm_ci_low"] != ""
+    naive = rows[("fp16-naive", "320")]
+    assert (naive["n"], naive["failed"], naive["mean"]) == ("0", "2", "")  # failed, not zero
+    md = (out / "results.md").read_text()
+    assert "**2 failed**" in md and "| cartpole_swingup | fp32 | 2/2 |" in md
+    assert "hardware" in md and "torch" in md and "CPUs" in md and "--modes fp32,fp16-naive" in md
+    assert (out / "curves.png").is_file()
+
+    # the same command again: nothing retrains
+    ckpt = out / "cartpole_swingup" / "fp32" / "s1" / "checkpoints" / "last.ckpt"
+    mtime = ckpt.stat().st_mtime_ns
+    again = run_tool(*grid, *GRID_OVERRIDES, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("skip-done") == 2 and again.stdout.count("skip-failed") == 2
+    assert "0 trained" in again.stdout and ckpt.stat().st_mtime_ns == mtime
+    assert "fp16-naive" in (out / "grid.json").read_text()
+
+    # a larger budget: the finished runs continue with resume=, the failed ones stay failed
+    more = run_tool(*grid, *GRID_OVERRIDES, "train.env_frames=480", cwd=tmp_path)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert more.stdout.count("resume ") == 2 and more.stdout.count("skip-failed") == 2
+    assert f"resume={out / 'cartpole_swingup' / 'fp32' / 's1'}" in more.stdout
+    log = (out / "cartpole_swingup" / "fp32" / "s1" / "train.log").read_text()
+    assert "resuming from" in log and "done: 480 env frames" in log
+    assert experiment.checkpoint_frames(ckpt.parent.parent) == 480
+    assert json.loads((out / "grid.json").read_text())["runs"]["cartpole_swingup/fp32/s1"]["env_frames"] == 480
+    assert {r["env_frames"] for r in read_csv(out / "results.csv")} == {"240", "480"}
+
+    # tables only, from the folder, at chosen budgets
+    (out / "results.md").unlink()
+    collect = run_tool("--out", str(out), "--collect-only", "--budgets", "160,480", cwd=tmp_path)
+    assert collect.returncode == 0, collect.stderr[-3000:]
+    rows = {(r["mode"], r["env_frames"]): r for r in read_csv(out / "results.csv")}
+    assert set(rows) == {("fp32", "160"), ("fp32", "480"), ("fp16-naive", "160"), ("fp16-naive", "480")}
+    assert rows[("fp32", "480")]["n"] == "2" and rows[("fp16-naive", "480")]["failed"] == "2"
+    assert "--collect-only" in (out / "results.md").read_text()
+
+
+# --- the table arithmetic on synthetic runs ------------------------------------------------------------------
+def fake_run(run_dir: Path, frames, returns, failed_at: int | None = None) -> None:
+    run_dir.mkdir(parents=True)
+    lines = ["env_frames,eval/return,step,train/critic_loss"]
+    for frame, value in zip(frames, returns):
+        lines += [f"{frame},,{frame},0.5", f"{frame},{value},{frame},"]
+    (run_dir / "metrics.csv").write_text("\n".join(lines) + "\n")
+    if failed_at is not None:
+        (run_dir / "failure.json").write_text(json.dumps({"message": "non-finite", "env_frames": failed_at}))
+
+
+def test_table_mean_std_iqm_and_failed_counting(tmp_path):
+    out = tmp_path / "grid"
+    task = "cartpole_swingup"
+    fake_run(out / task / "fp32" / "s1", [100, 200], [10, 20])
+    fake_run(out / task / "fp32" / "s2", [100, 200], [30, 40])
+    fake_run(out / task / "fp32" / "s3", [100, 200], [50, 90])
+    fake_run(out / task / "fp16" / "s1", [100, 200], [12, 24])
+    fake_run(out / task / "fp16" / "s2", [100, 150], [14, 16], failed_at=170)  # failed between the budgets
+    fake_run(out / task / "fp16" / "s3", [100], [20])  # still running: short of 200
+    # fp16-naive s1..s3 never ran; s1 failed at once
+    fake_run(out / task / "fp16-naive" / "s1", [], [], failed_at=8)
+    state = experiment.GridState(out)
+    rows = experiment.collect(out, [task], ["fp32", "fp16", "fp16-naive"], [1, 2, 3], [100, 200],
+                              ["--collect-only"], state, resamples=200)
+    table = {(r.mode, r.budget): r for r in rows}
+    fp32 = table[("fp32", 200)]
+    assert (fp32.n, fp32.failed, fp32.missing, fp32.seeds) == (3, 0, 0, 3)
+    assert fp32.mean == pytest.approx(50.0) and fp32.std == pytest.approx(np.std([20, 40, 90]))
+    assert fp32.iqm == pytest.approx(50.0)  # fewer than four seeds: nothing trimmed
+    assert fp32.iqm_low <= fp32.iqm <= fp32.iqm_high and fp32.iqm_low >= 20 and fp32.iqm_high <= 90
+    assert table[("fp32", 100)].mean == pytest.approx(30.0)
+    at100 = table[("fp16", 100)]
+    assert (at100.n, at100.failed, at100.missing) == (3, 0, 0) and at100.mean == pytest.approx(46 / 3)
+    at200 = table[("fp16", 200)]
+    assert (at200.n, at200.failed, at200.missing) == (1, 1, 1) and at200.mean == pytest.approx(24.0)
+    assert at200.std == pytest.approx(0.0)
+    naive = table[("fp16-naive", 200)]
+    assert (naive.n, naive.failed, naive.missing, naive.mean) == (0, 1, 2, None)
+    csv_rows = {(r["mode"], r["env_frames"]): r for r in read_csv(out / "results.csv")}
+    assert csv_rows[("fp16", "200")]["failed"] == "1" and csv_rows[("fp16-naive", "200")]["mean"] == ""
+    assert csv_rows[("fp32", "200")]["mean"] == "50.0"
+    md = (out / "results.md").read_text()
+    assert "| cartpole_swingup | fp32 | 3/3 | 50.0 ± " in md and "**1 failed**" in md
+    assert "fp16/s2 at 170 frames" in md and "fp16-naive/s1 at 8 frames" in md
+
+
+def test_value_at_interpolates_and_tolerates_action_repeat_rounding():
+    result = experiment.RunResult("t", "fp32", 1, Path("."), np.array([0.0, 10_008.0]), np.array([0.0, 100.0]), None)
+    assert experiment.value_at(result, 10_000) == ("ok", pytest.approx(100 * 10_000 / 10_008))
+    short = experiment.RunResult("t", "fp32", 1, Path("."), np.array([9_900.0]), np.array([5.0]), None)
+    assert experiment.value_at(short, 10_000) == ("ok", 5.0)  # within 2%: rounding to whole agent steps
+    assert experiment.value_at(short, 20_000) == ("missing", None)
+    failed = experiment.RunResult("t", "fp16", 1, Path("."), np.array([100.0]), np.array([5.0]), 150.0)
+    assert experiment.value_at(failed, 100) == ("ok", 5.0) and experiment.value_at(failed, 200) == ("failed", None)
+
+
+def test_modes_and_commands(tmp_path):
+    assert experiment.parse_modes("main") == ["fp32", "fp16", "fp16-naive"]
+    every = experiment.parse_modes("all")
+    assert len(every) == 10 and "amp" in every and "fp16-no-kahan_momentum" in every and "bf16" not in every
+    assert experiment.MODES["fp16-no-hadam"] == ["precision=fp16", "lowp.hadam=false"]
+    specs = experiment.build_grid(["cartpole_swingup"], ["fp16-naive"], [4], "state",
+                                  ["preset=state", "train.env_frames=3000"], tmp_path)
+    (spec,) = specs
+    assert spec.budget == 3000 and spec.run_dir == tmp_path / "cartpole_swingup" / "fp16-naive" / "s4"
+    args = spec.fresh_args()
+    assert {"precision=fp16", "lowp.all=false", "seed=4", "env.obs=state", "train.num_threads=1"} <= set(args)
+    resume = spec.resume_args()
+    assert resume[0] == f"resume={spec.run_dir}" and "train.env_frames=3000" in resume
+    assert not any(a.startswith(("preset=", "env.", "precision=")) for a in resume)  # not resumable keys
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--modes", "fp16-no-hadm", "--tasks", "cartpole_swingup"], "did you mean 'fp16-no-hadam'"),
+    (["--tasks", "cartpole_swingup", "--seeds", "1,x"], "not a whole number"),
+    (["--tasks", "cartpole_swingup", "--jobs", "0"], "--jobs"),
+    (["--tasks", "cartpole_swingup", "agent.batchsize=3"], "unknown key 'agent.batchsize'"),
+    (["--tasks", "cheeta_run"], "unknown task 'cheeta_run'"),
+    (["--tasks", "cartpole_swingup", "seed=3"], "seed= is set by the grid"),
+    (["--tasks", "cartpole_swingup", "--bogus"], "unrecognized arguments"),
+    (["--collect-only"], "no grid.json"),
+    ([], "--tasks is required"),
+])
+def test_bad_arguments_exit_2_in_one_line(tmp_path, capsys, args, message):
+    out = tmp_path / "grid"
+    assert experiment.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not out.exists()
+
+
+def test_dry_run_prints_commands_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "grid"
+    assert experiment.main(["--modes", "main", "--tasks", "cartpole_swingup", "--seeds", "1,2", "--dry-run",
+                            "--out", str(out), *GRID_OVERRIDES]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("-m pixelsac.train") == 6 and "lowp.all=false" in printed
+    assert "6 of 6 runs would train" in printed and not out.exists()

@@ -1,0 +1,597 @@
+"""Experiment grid: precision modes x tasks x seeds, run, resumed, and tabulated.
+
+    .venv/bin/python tools/experiment.py --tasks cartpole_swingup,walker_walk --seeds 1,2,3 \\
+        --modes main --out grids/main train.env_frames=500000
+    .venv/bin/python tools/experiment.py --modes all --tasks cheetah_run --seeds 1,2,3 --out grids/abl \\
+        --obs state preset=state train.env_frames=30000 --jobs 4
+    .venv/bin/python tools/experiment.py --out grids/main --collect-only --budgets 100000,500000
+
+Each run is ``python -m pixelsac.train`` in ``OUT/<task>/<mode>/s<seed>`` (log: ``train.log``
+there), with ``train.num_threads=1`` unless overridden. Modes: fp32, fp16 (all six
+modifications), fp16-naive (``lowp.all=false``), amp, bf16, and fp16-no-<switch> for each of the
+six; ``main`` = fp32,fp16,fp16-naive; ``all`` = main + amp + the six ablations.
+
+Running the same command again resumes the grid: a run whose last.ckpt reached the budget is
+skipped, one short of it is continued with ``resume=RUN_DIR`` (so raising ``train.env_frames``
+extends finished runs), a numerical failure (failure.json, exit 3) is kept as a result and not
+retried unless ``--retry-failed`` (which starts it afresh), and a missing run starts. grid.json
+records the spec and every run's status after each run ends. Then every run's metrics.csv is
+collected into results.md / results.csv (per task x mode at fixed env-frame budgets: mean ± std
+over seeds, IQM with a bootstrap 95% CI from tools/plot.py, seeds counted, failed runs counted
+as failed, not as zero) and learning curves (curves.png/svg, tools/plot.py). Bad arguments: one
+``error:`` line, exit 2. Exit 1 when a run crashed or was refused (see its train.log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+SWITCHES = ("hadam", "loss_scaling", "kahan_gradients", "kahan_momentum", "softplus_fix", "normal_fix")
+MODES: dict[str, list[str]] = {
+    "fp32": ["precision=fp32"],
+    "fp16": ["precision=fp16"],
+    "fp16-naive": ["precision=fp16", "lowp.all=false"],
+    "amp": ["precision=amp"],
+    "bf16": ["precision=bf16"],
+    **{f"fp16-no-{s}": ["precision=fp16", f"lowp.{s}=false"] for s in SWITCHES},
+}
+MAIN = ["fp32", "fp16", "fp16-naive"]
+ALL = [*MAIN, "amp", *(f"fp16-no-{s}" for s in SWITCHES)]
+#: keys the grid itself sets for every run; an override of them would break the layout
+RESERVED = ("task", "seed", "precision", "run_dir", "resume", "overwrite", "env.obs")
+EXIT_BAD_INPUT, EXIT_NUMERICAL_FAILURE = 2, 3
+#: a budget counts as reached when the last evaluation is within this fraction below it
+#: (budgets are rounded up to whole agent steps of action repeat frames)
+REACH_TOLERANCE = 0.02
+
+
+class GridError(ValueError):
+    """A problem with the arguments, in one line (exit code 2)."""
+
+
+def load_plot() -> Any:
+    """tools/plot.py, imported by path (tools/ is not a package)."""
+    name = "pixelsac_tools_plot"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / "plot.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- the grid ------------------------------------------------------------------------------------------
+@dataclass
+class RunSpec:
+    task: str
+    mode: str
+    seed: int
+    run_dir: Path
+    budget: int  # train.env_frames of this run
+    overrides: list[str]  # everything after the mode/task/seed (the user's key=value, num_threads)
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}/{self.mode}/s{self.seed}"
+
+    def fresh_args(self) -> list[str]:
+        # overwrite: the folder is the grid's own and already holds this run's train.log
+        return [f"task={self.task}", *MODES[self.mode], f"seed={self.seed}", *self.overrides,
+                f"run_dir={self.run_dir}", "overwrite=true"]
+
+    def resume_args(self) -> list[str]:
+        from pixelsac.config import RESUMABLE
+
+        kept = [o for o in self.overrides
+                if o.split("=", 1)[0].startswith(RESUMABLE) and o.split("=", 1)[0] != "train.env_frames"]
+        return [f"resume={self.run_dir}", *kept, f"train.env_frames={self.budget}"]
+
+
+@dataclass
+class Plan:
+    spec: RunSpec
+    action: str  # skip-done | skip-failed | resume | fresh | restart (dir without a checkpoint)
+    frames: int | None = None  # env frames of last.ckpt, when there is one
+    args: list[str] = field(default_factory=list)
+
+
+def parse_list(text: str, what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise GridError(f"--{what} is empty")
+    return list(dict.fromkeys(items))
+
+
+def parse_modes(text: str) -> list[str]:
+    modes: list[str] = []
+    for item in parse_list(text, "modes"):
+        if item == "main":
+            modes += MAIN
+        elif item == "all":
+            modes += ALL
+        elif item in MODES:
+            modes.append(item)
+        else:
+            import difflib
+
+            close = difflib.get_close_matches(item, [*MODES, "main", "all"], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise GridError(f"unknown mode {item!r}{hint}; modes: main, all, {', '.join(MODES)}")
+    return list(dict.fromkeys(modes))
+
+
+def parse_ints(text: str, what: str) -> list[int]:
+    values = []
+    for item in parse_list(text, what):
+        try:
+            number = float(item)  # 1e5 and 100000 alike
+        except ValueError:
+            raise GridError(f"--{what}: {item!r} is not a whole number") from None
+        if not number.is_integer():
+            raise GridError(f"--{what}: {item!r} is not a whole number")
+        value = int(number)
+        if value < (0 if what == "seeds" else 1):
+            raise GridError(f"--{what}: {item!r} must be {'non-negative' if what == 'seeds' else 'positive'}")
+        values.append(value)
+    return list(dict.fromkeys(values))
+
+
+def build_grid(tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int], obs: str | None,
+               overrides: Sequence[str], out: Path) -> list[RunSpec]:
+    """Every run of the grid, its configuration composed and validated as training would (a bad
+    override or task is a GridError before anything runs)."""
+    from pixelsac.config import ConfigError, load_config, parse_overrides
+
+    try:
+        given = parse_overrides(list(overrides))
+    except ConfigError as exc:
+        raise GridError(str(exc)) from None
+    for key in given:
+        if key in RESERVED or key.startswith("lowp."):
+            raise GridError(f"{key}= is set by the grid (use --tasks, --seeds, --modes, --obs); "
+                            "leave it out of the overrides")
+    extra = list(overrides)
+    if "train.num_threads" not in given:
+        extra.append("train.num_threads=1")
+    if obs is not None:
+        extra.append(f"env.obs={obs}")
+    try:
+        from pixelsac.envs import available_tasks
+
+        valid = available_tasks()
+    except Exception:  # noqa: BLE001 -- dm_control missing: training reports it per run
+        valid = None
+    specs = []
+    for task in tasks:
+        for mode in modes:
+            probe = RunSpec(task, mode, seeds[0], out, 0, extra)
+            try:
+                cfg = load_config(probe.fresh_args()[:-2], valid_tasks=valid)
+            except ConfigError as exc:
+                raise GridError(str(exc)) from None
+            for seed in seeds:
+                specs.append(RunSpec(task, mode, seed, out / task / mode / f"s{seed}",
+                                     int(cfg.train.env_frames), extra))
+    return specs
+
+
+def checkpoint_frames(run_dir: Path) -> int | None:
+    """Env frames stored in the run's last.ckpt (None without a readable one)."""
+    import torch
+
+    file = run_dir / "checkpoints" / "last.ckpt"
+    if not file.is_file():
+        return None
+    try:
+        stored = torch.load(file, map_location="cpu", weights_only=True)
+        return int(stored["callbacks"]["Checkpointer"]["collector"]["env_frames"])
+    except Exception:  # noqa: BLE001 -- truncated or foreign: treat as no checkpoint
+        return None
+
+
+def plan_run(spec: RunSpec, retry_failed: bool) -> Plan:
+    run_dir = spec.run_dir
+    if (run_dir / "failure.json").is_file() and not retry_failed:
+        return Plan(spec, "skip-failed")
+    if (run_dir / "failure.json").is_file():
+        return Plan(spec, "restart", None, spec.fresh_args())
+    frames = checkpoint_frames(run_dir)
+    if frames is not None and frames >= spec.budget:
+        return Plan(spec, "skip-done", frames)
+    if frames is not None:
+        return Plan(spec, "resume", frames, spec.resume_args())
+    if run_dir.exists() and any(run_dir.iterdir()):  # started, stopped before its first checkpoint
+        return Plan(spec, "restart", None, spec.fresh_args())
+    return Plan(spec, "fresh", None, spec.fresh_args())
+
+
+def train_command(args: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "pixelsac.train", *args]
+
+
+def hardware_line() -> str:
+    import torch
+
+    device = (f"CUDA {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
+              if torch.cuda.is_available() else "no CUDA device")
+    return f"{os.cpu_count()} CPUs, torch {torch.__version__}, {device}"
+
+
+def command_line(argv: Sequence[str]) -> str:
+    return shlex.join(["python", "tools/experiment.py", *argv])
+
+
+# --- grid.json ------------------------------------------------------------------------------------------
+class GridState:
+    """grid.json: the spec, the commands that ran, and each run's status; rewritten atomically."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "grid.json"
+        self.lock = threading.Lock()
+        self.data: dict[str, Any] = {"spec": {}, "invocations": [], "runs": {}}
+        if self.path.is_file():
+            try:
+                self.data.update(json.loads(self.path.read_text()))
+            except (OSError, json.JSONDecodeError):
+                pass
+
+    def update_run(self, key: str, **fields: Any) -> None:
+        with self.lock:
+            self.data["runs"].setdefault(key, {}).update(fields)
+            self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(".grid.json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, self.path)
+
+
+def execute(plan: Plan, state: GridState) -> str:
+    """Run one training subprocess, its output appended to train.log; returns its status."""
+    spec = plan.spec
+    if plan.action == "restart" and spec.run_dir.exists():
+        shutil.rmtree(spec.run_dir)  # a failed or checkpoint-less run starts afresh, nothing stale kept
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    log = spec.run_dir / "train.log"
+    command = train_command(plan.args)
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    state.update_run(spec.key, status="running", action=plan.action, command=shlex.join(command))
+    started = time.monotonic()
+    with open(log, "a") as f:
+        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')} {plan.action}: {shlex.join(command)}\n")
+        f.flush()
+        rc = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    seconds = round(time.monotonic() - started, 1)
+    if rc == 0:
+        status = "done"
+    elif rc == EXIT_NUMERICAL_FAILURE or (spec.run_dir / "failure.json").is_file():
+        status = "failed"
+    elif rc == EXIT_BAD_INPUT:
+        status = "refused"
+    else:
+        status = "crashed"
+    state.update_run(spec.key, status=status, returncode=rc, seconds=seconds,
+                     env_frames=checkpoint_frames(spec.run_dir), budget=spec.budget)
+    print(f"{status:<8} {spec.key} (exit {rc}, {seconds:.0f} s; log {log})", flush=True)
+    return status
+
+
+# --- collecting results -------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    task: str
+    mode: str
+    seed: int
+    run_dir: Path
+    frames: np.ndarray
+    returns: np.ndarray
+    failed_at: float | None  # env frame of a numerical failure (inf: unknown frame), None: no failure
+
+
+def read_result(task: str, mode: str, seed: int, run_dir: Path) -> RunResult:
+    plot = load_plot()
+    failed_at = None
+    failure = run_dir / "failure.json"
+    if failure.is_file():
+        try:
+            frames = json.loads(failure.read_text()).get("env_frames")
+            failed_at = float(frames) if frames is not None else 0.0
+        except (OSError, ValueError, AttributeError):
+            failed_at = 0.0
+    try:
+        frames, returns = plot.read_eval_curve(run_dir)
+    except plot.PlotError:
+        frames, returns = np.zeros(0), np.zeros(0)
+    return RunResult(task, mode, seed, run_dir, frames, returns, failed_at)
+
+
+def value_at(result: RunResult, budget: int) -> tuple[str, float | None]:
+    """``("ok", return)``, ``("failed", None)`` or ``("missing", None)`` at a budget.
+
+    The return at a budget is the evaluation curve interpolated there (as tools/plot does); a run
+    counts once its last evaluation is within REACH_TOLERANCE of the budget. A run that ended in a
+    numerical failure before the budget is failed there, never zero; its earlier budgets count.
+    """
+    if result.failed_at is not None and result.failed_at <= budget:
+        return "failed", None
+    if result.frames.size == 0 or result.frames[-1] < budget * (1 - REACH_TOLERANCE):
+        return "missing", None
+    return "ok", float(np.interp(budget, result.frames, result.returns))
+
+
+@dataclass
+class Row:
+    task: str
+    mode: str
+    budget: int
+    seeds: int
+    n: int
+    failed: int
+    missing: int
+    mean: float | None = None
+    std: float | None = None
+    iqm: float | None = None
+    iqm_low: float | None = None
+    iqm_high: float | None = None
+    reference: str = ""
+
+
+def table_rows(results: Sequence[RunResult], budgets: Sequence[int], resamples: int = 2000,
+               seeds: int | None = None) -> list[Row]:
+    """Per task x mode x budget: mean ± std (population std over seeds, as tools/plot), IQM with
+    a bootstrap 95% CI (tools/plot.bootstrap_band), and how many seeds counted, failed, are missing
+    (``seeds``: the grid's seeds per group, so that runs never started count as missing)."""
+    plot = load_plot()
+    groups: dict[tuple[str, str], list[RunResult]] = {}
+    for result in results:
+        groups.setdefault((result.task, result.mode), []).append(result)
+    rows = []
+    for (task, mode), members in groups.items():
+        for budget in budgets:
+            outcomes = [value_at(m, budget) for m in members]
+            values = np.array([v for s, v in outcomes if s == "ok"], dtype=float)
+            expected = max(seeds or 0, len(members))
+            row = Row(task, mode, budget, expected, len(values), sum(s == "failed" for s, _ in outcomes),
+                      sum(s == "missing" for s, _ in outcomes) + expected - len(members),
+                      reference=plot._nearest_reference(task, float(budget)))
+            if values.size:
+                center, low, high = plot.bootstrap_band(values[:, None], "iqm", resamples)
+                row.mean, row.std = float(values.mean()), float(values.std())
+                row.iqm, row.iqm_low, row.iqm_high = float(center[0]), float(low[0]), float(high[0])
+            rows.append(row)
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["task", "mode", "env_frames", "seeds", "n", "failed", "missing", "mean", "std",
+                         "iqm", "iqm_ci_low", "iqm_ci_high", "drq_reference"])
+        for r in rows:
+            writer.writerow([r.task, r.mode, r.budget, r.seeds, r.n, r.failed, r.missing, _fmt(r.mean),
+                             _fmt(r.std), _fmt(r.iqm), _fmt(r.iqm_low), _fmt(r.iqm_high), r.reference])
+
+
+def markdown(rows: Sequence[Row], header: dict[str, str], notes: Sequence[str]) -> str:
+    plot = load_plot()
+    lines = ["# Experiment grid results", ""]
+    lines += [f"- {name}: {value}" for name, value in header.items()]
+    lines += ["", "Eval return (deterministic policy) at each env-frame budget, over seeds: mean ± std "
+              "(population std), IQM with a bootstrap 95% CI over seeds. `n/seeds` = runs that reached "
+              "the budget; **failed** = runs stopped by a numerical failure (non-finite values, "
+              "failure.json) before the budget, counted as failed, not as zero; *missing* = not run "
+              "yet or still short of the budget.", ""]
+    for budget in sorted({r.budget for r in rows}):
+        lines += [f"## {plot._frames_text(budget)} env frames ({budget:,})", "",
+                  "| task | mode | n/seeds | mean ± std | IQM [95% CI] | failed | missing | DrQ |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in [r for r in rows if r.budget == budget]:
+            mean = f"{r.mean:.1f} ± {r.std:.1f}" if r.mean is not None else "–"
+            iqm = (f"{r.iqm:.1f} [{r.iqm_low:.1f}, {r.iqm_high:.1f}]" if r.iqm is not None else "–")
+            failed = f"**{r.failed} failed** ✗" if r.failed else "0"
+            lines.append(f"| {r.task} | {r.mode} | {r.n}/{r.seeds} | {mean} | {iqm} | {failed} | "
+                         f"{r.missing} | {r.reference} |")
+        lines.append("")
+    lines += [f"- {note}" for note in notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def collect(out: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int],
+            budgets: Sequence[int], argv: Sequence[str], state: GridState, resamples: int = 2000) -> list[Row]:
+    """Write results.md, results.csv and curves.png/svg for the grid in ``out``."""
+    plot = load_plot()
+    results, runs, notes = [], [], []
+    for task in tasks:
+        for mode in modes:
+            for seed in seeds:
+                run_dir = out / task / mode / f"s{seed}"
+                if not run_dir.is_dir():
+                    continue
+                result = read_result(task, mode, seed, run_dir)
+                results.append(result)
+                if result.failed_at is None and result.frames.size:
+                    try:
+                        runs.append(plot.load_run(run_dir))
+                    except plot.PlotError as exc:
+                        notes.append(f"{task}/{mode}/s{seed} left out of the curves: {exc}")
+    if not results:
+        raise GridError(f"{out} holds no runs of this grid (expected {out}/<task>/<mode>/s<seed>)")
+    # a group never run at all still gets its rows (all missing)
+    present = {(r.task, r.mode) for r in results}
+    rows = table_rows(results, budgets, resamples, seeds=len(seeds))
+    for task in tasks:
+        for mode in modes:
+            if (task, mode) not in present:
+                rows += [Row(task, mode, b, len(seeds), 0, 0, len(seeds)) for b in budgets]
+    order = {(t, m): i for i, (t, m) in enumerate((t, m) for t in tasks for m in modes)}
+    rows.sort(key=lambda r: (r.budget, order[(r.task, r.mode)]))
+    failed_runs = [f"{r.task}/{r.mode}/s{r.seed} at {r.failed_at:g} frames" for r in results if r.failed_at is not None]
+    if failed_runs:
+        notes.append(f"{len(failed_runs)} run(s) ended in a numerical failure: {', '.join(failed_runs)}")
+    if runs:
+        written = plot.plot_curves(plot.build_curves(runs, "mean", resamples), out / "curves.png")
+        notes.append("learning curves (mean over seeds, bootstrap 95% band; failed runs left out): "
+                     + ", ".join(p.name for p in written))
+    spec = state.data.get("spec", {})
+    header = {
+        "command": f"`{command_line(argv)}`",
+        "grid command": f"`{spec.get('command', '(unknown: no grid.json)')}`",
+        "hardware (collected on)": hardware_line(),
+        "hardware (runs)": spec.get("hardware", "(unknown)"),
+        "tasks": ", ".join(tasks), "modes": ", ".join(f"{m} ({' '.join(MODES[m])})" for m in modes),
+        "seeds": ", ".join(map(str, seeds)), "overrides": " ".join(spec.get("overrides", [])) or "(none)",
+        "written": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    (out / "results.md").write_text(markdown(rows, header, notes))
+    write_csv(rows, out / "results.csv")
+    return rows
+
+
+# --- command line ---------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tools/experiment.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides passed to every run")
+    parser.add_argument("--out", required=True, help="grid folder; runs go to OUT/<task>/<mode>/s<seed>")
+    parser.add_argument("--modes", default=None, help="comma-separated modes, or main / all (default: main)")
+    parser.add_argument("--tasks", default=None, help="comma-separated dm_control tasks (domain_task)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: 1,2,3)")
+    parser.add_argument("--obs", choices=("pixels", "state"), default=None, help="observations (env.obs)")
+    parser.add_argument("--jobs", type=int, default=1, help="training runs at once (default 1)")
+    parser.add_argument("--budgets", default=None,
+                        help="env-frame budgets of the table (default: the grid's final budget and its half)")
+    parser.add_argument("--retry-failed", action="store_true", help="start numerically failed runs again")
+    parser.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
+    parser.add_argument("--collect-only", action="store_true", help="only (re)write results from existing runs")
+    parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples for the IQM CI")
+
+    def error(message: str) -> None:
+        raise GridError(message)
+
+    parser.error = error  # type: ignore[method-assign] -- one `error:` line, exit 2, no usage dump
+    args = parser.parse_args(list(argv))
+    if args.jobs < 1:
+        raise GridError("--jobs must be at least 1")
+    if args.resamples < 1:
+        raise GridError("--resamples must be positive")
+    if args.dry_run and args.collect_only:
+        raise GridError("--dry-run and --collect-only exclude each other")
+    for item in args.overrides:
+        if "=" not in item:
+            raise GridError(f"{item!r} is not a key=value override (flags start with --)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+        return run(args, argv)
+    except GridError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    out = Path(args.out).resolve()
+    state = GridState(out)
+    spec = state.data.get("spec") or {}
+    if args.collect_only and not spec and args.tasks is None:
+        raise GridError(f"{out} has no grid.json; pass --tasks/--modes/--seeds to say which runs to collect")
+    modes = parse_modes(args.modes) if args.modes else spec.get("modes", MAIN) if args.collect_only else MAIN
+    tasks = parse_list(args.tasks, "tasks") if args.tasks else spec.get("tasks") if args.collect_only else None
+    if not tasks:
+        raise GridError("--tasks is required (e.g. --tasks cartpole_swingup,walker_walk)")
+    seeds = parse_ints(args.seeds, "seeds") if args.seeds else spec.get("seeds", [1, 2, 3]) if args.collect_only \
+        else [1, 2, 3]
+    budgets = parse_ints(args.budgets, "budgets") if args.budgets else None
+
+    if args.collect_only:
+        if budgets is None:
+            final = int(spec.get("budget") or 0)
+            if not final:
+                raise GridError("--budgets is required when grid.json does not say the grid's budget")
+            budgets = sorted({final // 2, final})
+        collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples)
+        print(f"wrote {out / 'results.md'}, {out / 'results.csv'}")
+        return 0
+
+    specs = build_grid(tasks, modes, seeds, args.obs, args.overrides, out)
+    final = max(s.budget for s in specs)
+    budgets = budgets or sorted({final // 2, final})
+    plans = [plan_run(s, args.retry_failed) for s in specs]
+    for plan in plans:
+        what = {"skip-done": f"done ({plan.frames} >= {plan.spec.budget} frames), skipped",
+                "skip-failed": "failed numerically earlier, not retried (--retry-failed to retry)"}.get(plan.action)
+        if what:
+            print(f"{plan.action:<11} {plan.spec.key}: {what}")
+        else:
+            frames = f" from {plan.frames} frames" if plan.action == "resume" else ""
+            print(f"{plan.action:<11} {plan.spec.key}{frames}: {shlex.join(train_command(plan.args))}")
+    todo = [p for p in plans if not p.action.startswith("skip")]
+    if args.dry_run:
+        print(f"dry run: {len(todo)} of {len(plans)} runs would train, {args.jobs} at a time")
+        return 0
+
+    state.data["spec"] = {"tasks": tasks, "modes": modes, "seeds": seeds, "obs": args.obs,
+                          "overrides": list(args.overrides), "budget": final, "out": str(out),
+                          "jobs": args.jobs, "command": command_line(argv), "hardware": hardware_line()}
+    state.data.setdefault("invocations", []).append(
+        {"command": command_line(argv), "time": datetime.datetime.now().isoformat(timespec="seconds")})
+    for plan in plans:
+        if plan.action == "skip-done":
+            state.data["runs"].setdefault(plan.spec.key, {}).update(status="done", env_frames=plan.frames,
+                                                                    budget=plan.spec.budget)
+        elif plan.action == "skip-failed":
+            state.data["runs"].setdefault(plan.spec.key, {}).update(status="failed")
+        else:
+            state.data["runs"].setdefault(plan.spec.key, {}).update(status="pending", action=plan.action)
+    state.write()
+
+    statuses = []
+    if todo:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            statuses = list(pool.map(lambda p: execute(p, state), todo))
+    counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
+    skipped = len(plans) - len(todo)
+    print(f"grid: {len(todo)} trained ({', '.join(f'{n} {s}' for s, n in counts.items()) or 'none'}), "
+          f"{skipped} skipped; {out / 'grid.json'}")
+    try:
+        collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples)
+        print(f"wrote {out / 'results.md'}, {out / 'results.csv'}")
+    except GridError as exc:
+        print(f"warning: no results: {exc}", file=sys.stderr)
+    return 1 if any(s in ("crashed", "refused") for s in statuses) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
