@@ -22,7 +22,6 @@ import torch
 from torch.utils.data import IterableDataset
 
 from pixelsac.envs import DMCEnv, TimeStep
-from pixelsac.precision import NumericalFailure
 from pixelsac.replay import ReplaySet
 
 ActFn = Callable[[np.ndarray, bool], np.ndarray]  # (obs batch, sample) -> actions in [-1, 1]
@@ -87,9 +86,6 @@ class Collector:
             actions = self.rng.uniform(-1.0, 1.0, size=(self.num_envs, self.envs.action_dim)).astype(np.float32)
         else:
             actions = self.act(np.stack([t.obs for t in self._timesteps]), True)
-            if not np.isfinite(actions).all():  # the weights went non-finite since the last health check
-                raise NumericalFailure(f"the policy produced non-finite actions at agent step {self.agent_steps}",
-                                       weights_finite=False)
         for i, timestep in enumerate(self.envs.step(actions)):
             self.replay.add(i, actions[i], timestep.reward, timestep.terminal, timestep.frame)
             self._returns[i] += timestep.reward

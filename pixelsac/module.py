@@ -124,7 +124,11 @@ class SACModule(L.LightningModule):
         with self.precision_policy.compute_context():
             dist = self._dist(self.critic.trunk(obs_t))
             action = dist.sample() if sample else dist.mean
-        return action.clamp(-1.0, 1.0).float().cpu().numpy()
+        actions = action.clamp(-1.0, 1.0).float().cpu().numpy()
+        if not np.isfinite(actions).all():  # weights went non-finite since the last health check
+            raise NumericalFailure("the policy produced non-finite actions; its weights are no longer finite",
+                                   weights_finite=False)
+        return actions
 
     # --- losses ---------------------------------------------------------------------------------
     def critic_loss(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor,
