@@ -201,7 +201,11 @@ class SACModule(L.LightningModule):
             self._actor_metrics = actor_metrics  # logged with the next critic metrics
 
         if self.updates % agent.critic_target_update_every == 0:
-            self.target_updater.update_(agent.critic_tau)
+            try:
+                self.target_updater.update_(agent.critic_tau)
+            except FloatingPointError as exc:  # K·θ overflowed: the critic has grown out of range
+                raise NumericalFailure(f"target update after update {self.updates}: {exc}",
+                                       weights_finite=self.weights_are_finite()) from exc
 
         self.updates += 1
         if self.updates % self.cfg.train.log_every_updates == 0:

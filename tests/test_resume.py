@@ -186,3 +186,16 @@ def test_naive_fp16_run_stops_loudly_at_its_first_update(tmp_path):
     assert "non-finite" in result.stderr
     assert not (run_dir / "checkpoints" / "last.ckpt").exists()
     assert (run_dir / "failure.json").is_file()
+
+
+def test_target_copy_overflow_becomes_a_numerical_failure():
+    """Kahan-momentum's K·θ overflow (|θ| > 6.55 at K = 1e4) stops the run like any other
+    numerical failure, naming the parameter, instead of escaping as a raw FloatingPointError."""
+    from test_module import fit, make_batch, make_module
+    from pixelsac.precision import NumericalFailure
+
+    module = make_module("precision=fp16")
+    with torch.no_grad():
+        module.critic.q1[0].weight[0, 0] = 8.0  # K·θ = 80000 > 65504
+    with pytest.raises(NumericalFailure, match=r"target update after update 0: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'"):
+        fit(module, [make_batch()])
