@@ -119,7 +119,7 @@ class Evaluator(L.Callback):
     def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
         best = self.evaluate(trainer, module) if self.collector.total_env_frames != self.last_eval_frames else False
         self.checkpointer.request(best=best)
-        self.checkpointer.save_pending(trainer, module, at_end=True)
+        self.checkpointer.save_pending(trainer, module)  # at the end, boundary or not
 
     def evaluate(self, trainer: L.Trainer, module: Any) -> bool:
         """Run the eval episodes; True when the mean return is the best so far (on every rank)."""
@@ -208,7 +208,7 @@ class Checkpointer(L.Callback):
         if self._pending and (self.collector.at_episode_boundary or waited > self.max_wait_steps):
             self.save_pending(trainer, module)
 
-    def save_pending(self, trainer: L.Trainer, module: Any, at_end: bool = False) -> None:
+    def save_pending(self, trainer: L.Trainer, module: Any) -> None:
         if not self._pending:
             return
         names, self._pending = sorted(self._pending, reverse=True), set()  # last before best

@@ -218,26 +218,33 @@ class SACModule(L.LightningModule):
         return {"critic": list(self.critic.parameters()), "actor": list(self.actor.parameters()),
                 "temperature": [self.log_alpha], "target critic": list(self.critic_target.parameters())}
 
+    def nonfinite_weight_groups(self) -> list[str]:
+        """Names of the weight groups holding a NaN or inf (one host synchronisation for all)."""
+        groups = self._groups()
+        finite = torch.stack([torch.stack([p.isfinite().all() for p in ps]).all() for ps in groups.values()])
+        return [name for name, ok in zip(groups, finite.tolist()) if not ok]
+
     def weights_are_finite(self) -> bool:
-        return all(bool(torch.stack([p.isfinite().all() for p in ps]).all()) for ps in self._groups().values())
+        return not self.nonfinite_weight_groups()
 
     def check_health(self, metrics: dict[str, torch.Tensor]) -> None:
         """Stop (raise :class:`NumericalFailure`) on non-finite weights or a collapsed loss scale.
 
         Runs at the logging interval, where the host synchronises anyway; never continue on NaNs.
         """
-        scales = ", ".join(f"{n}={s:g}" for n, s in self.loss_scales().items())
-        bad = [name for name, ps in self._groups().items() if not bool(torch.stack([p.isfinite().all() for p in ps]).all())]
+        scales = self.loss_scales()
+        scales_text = ", ".join(f"{n}={s:g}" for n, s in scales.items())
+        bad = self.nonfinite_weight_groups()
         if bad:
             losses = ", ".join(f"{k}={float(v):.4g}" for k, v in metrics.items() if k.endswith("loss"))
             raise NumericalFailure(f"non-finite {' and '.join(bad)} weights after update {self.updates} "
-                                   f"(losses {losses}; loss scales {scales})", weights_finite=False)
+                                   f"(losses {losses}; loss scales {scales_text})", weights_finite=False)
         floor = self.cfg.safety.min_loss_scale
         for name, scaler in self.scalers.items():
-            if scaler is not None and self.loss_scales()[name] < floor:
+            if scaler is not None and scales[name] < floor:
                 raise NumericalFailure(
                     f"the {name} loss scale collapsed below safety.min_loss_scale={floor:g} after update "
-                    f"{self.updates} ({self.skipped[name]} skipped {name} steps; loss scales {scales})",
+                    f"{self.updates} ({self.skipped[name]} skipped {name} steps; loss scales {scales_text})",
                     weights_finite=True)
 
     def loss_scales(self) -> dict[str, float]:

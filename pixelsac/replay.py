@@ -351,10 +351,13 @@ class ReplaySet:
         return self.nbytes / self.capacity
 
     def describe(self) -> str:
-        line = self.buffers[0].describe().replace(f"{self.buffers[0].capacity:,} transitions",
-                                                  f"{self.capacity:,} transitions", 1)
-        line = line.replace(f"= {self.buffers[0].nbytes / 1e9:.2f} GB", f"= {self.nbytes / 1e9:.2f} GB", 1)
-        return line if len(self.buffers) == 1 else f"{line}; {len(self.buffers)} rings, one per env"
+        """One line stating the capacity in transitions and bytes, over all rings."""
+        first = self.buffers[0]
+        frame = "x".join(str(size) for size in first._frame_shape)
+        rings = f"; {len(self.buffers)} rings, one per env" if len(self.buffers) > 1 else ""
+        return (f"replay buffer: {self.capacity:,} transitions x {self.bytes_per_transition:,.0f} B "
+                f"= {self.nbytes / 1e9:.2f} GB ({first._frame_dtype.name} frames {frame} stored once, "
+                f"stacks of {first.frame_stack} rebuilt at sample time){rings}")
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers)
