@@ -46,6 +46,10 @@ class KahanEMA(nn.Module):
         scale: ``K``, the factor of the scaled copy ``θ̄_S = K·θ̄``.
         compensated: False gives the naive in-dtype EMA ``θ̄ += τ(θ - θ̄)`` with no extra
             buffers (the baseline).
+        check_every_update: check ``K·θ`` after every :meth:`update_` (a host synchronisation
+            each time). False leaves it to the caller's :meth:`check_finite` at a moment when the
+            host waits anyway (e.g. logging): an overflowed ``θ̄_S`` stays non-finite, so a
+            later check still sees it.
 
     With ``compensated=True`` the buffers ``scaled_params.<name>`` (θ̄_S) and
     ``kahan_comp.<name>`` (c) are registered on this module, in the parameters' dtype, so they
@@ -54,7 +58,8 @@ class KahanEMA(nn.Module):
     the networks.
 
     Raises:
-        FloatingPointError: when ``K·θ`` is not finite at init or after an update.
+        FloatingPointError: when ``K·θ`` is not finite at init, after an update (with
+            ``check_every_update``) or in :meth:`check_finite`.
         ValueError: when source and target parameters do not match by name and shape.
     """
 
@@ -64,6 +69,7 @@ class KahanEMA(nn.Module):
         target: nn.Module,
         scale: float = 1e4,
         compensated: bool = True,
+        check_every_update: bool = True,
     ) -> None:
         super().__init__()
         if not scale > 0:
@@ -72,6 +78,7 @@ class KahanEMA(nn.Module):
         self._networks = (source, target)
         self.scale = float(scale)
         self.compensated = bool(compensated)
+        self.check_every_update = bool(check_every_update)
 
         source_named = list(source.named_parameters())
         target_named = list(target.named_parameters())
@@ -108,7 +115,7 @@ class KahanEMA(nn.Module):
                     scaled = (src.detach().float() * self.scale).to(src.dtype)
                     self.scaled_params.register_buffer(buffer_name, scaled)
                     self.kahan_comp.register_buffer(buffer_name, torch.zeros_like(src))
-            self._check_finite()
+            self.check_finite()
 
     @property
     def source(self) -> nn.Module:
@@ -130,7 +137,10 @@ class KahanEMA(nn.Module):
             [getattr(self.kahan_comp, n) for n in names],
         )
 
-    def _check_finite(self) -> None:
+    def check_finite(self) -> None:
+        """Raise FloatingPointError if ``K·θ̄`` is not finite (one host sync; no-op uncompensated)."""
+        if not self.compensated:
+            return
         scaled, _ = self._buffers_in_order()
         if not scaled:
             return
@@ -161,6 +171,7 @@ class KahanEMA(nn.Module):
         torch._foreach_sub_(updates, scaled)
         torch._foreach_mul_(updates, tau)
         kahan_add_(scaled, updates, comps)
-        self._check_finite()
+        if self.check_every_update:
+            self.check_finite()
         # θ̄ = θ̄_S / K
         torch._foreach_copy_(targets, torch._foreach_div(scaled, self.scale))

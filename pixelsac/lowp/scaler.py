@@ -17,6 +17,17 @@ and ε are kept in "×S" units (hAdam's ``m / (s + ε)`` does not depend on S)::
 One scaler per loss (critic, actor, alpha). Under data parallelism every rank must take the
 same skip/grow decision, so the found-inf flag can be passed through a caller-supplied
 all-reduce.
+
+Sync-free mode (``sync_free=True``, with an HAdam built ``capturable=True``): ``S``, the clean
+count and the step counters are 0-dim device tensors and the skip is decided on the device::
+
+    ok = (found_inf == 0);  f = ok ? 1 : backoff_factor
+    optimizer.step(found_inf)            # a no-op on the device when ok = 0
+    S *= f;  state *= f;  ε = max(ε·f, floor);  clean = (clean + 1)·ok
+
+Growth needs ``clean > growth_interval``, which cannot happen before ``growth_interval + 1 -
+clean`` more steps; the host counts steps and reads ``clean`` only then (one synchronisation per
+~growth_interval steps, and a growth at exactly the step the host-side rule would grow).
 """
 
 from __future__ import annotations
@@ -128,6 +139,10 @@ class CompoundLossScaler:
             rounded once, so it flags exactly the non-finite gradients.
         growth_margin: growth only happens when the state stays finite at
             ``growth_factor·growth_margin`` (the paper checks ``2.2·m`` and ``2.2·s``).
+        sync_free: decide skips on the device (module docstring); the optimizer must accept
+            ``step(found_inf=...)`` and a tensor in ``rescale_state_`` (HAdam with capturable=True).
+            ``step`` then returns a 0-dim bool tensor, and reading ``scale`` or the counters
+            synchronises -- do it at logging time, not per step.
 
     Use::
 
@@ -145,6 +160,7 @@ class CompoundLossScaler:
         eps_floor: float = 1e-7,
         overflow_margin: float = 1.1 * 0.9005,
         growth_margin: float = 1.1,
+        sync_free: bool = False,
     ) -> None:
         if not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale}")
@@ -160,15 +176,61 @@ class CompoundLossScaler:
         self.eps_floor = float(eps_floor)
         self.overflow_margin = float(overflow_margin)
         self.growth_margin = float(growth_margin)
-        self._scale = float(init_scale)
-        self.clean_steps = 0
-        self.skipped_steps = 0
-        self.taken_steps = 0
+        self.sync_free = bool(sync_free)
+        # Host values; in sync-free mode they seed the device tensors at the first step.
+        self._counts: dict[str, float | int] = {"scale": float(init_scale), "clean_steps": 0,
+                                                "skipped_steps": 0, "taken_steps": 0}
+        self._device_counts: dict[str, torch.Tensor] | None = None
+        self._steps_until_growth_check = 0
+
+    def _get(self, name: str) -> Any:
+        if self._device_counts is not None:
+            value = self._device_counts[name].item()  # a host sync: read at logging time only
+            return float(value) if name == "scale" else int(value)
+        return self._counts[name]
+
+    def _set(self, name: str, value: Any) -> None:
+        self._counts[name] = value
+        if self._device_counts is not None:
+            self._device_counts[name].fill_(value)
+
+    clean_steps = property(lambda self: self._get("clean_steps"), lambda self, v: self._set("clean_steps", int(v)))
+    skipped_steps = property(lambda self: self._get("skipped_steps"),
+                             lambda self, v: self._set("skipped_steps", int(v)))
+    taken_steps = property(lambda self: self._get("taken_steps"), lambda self, v: self._set("taken_steps", int(v)))
+
+    @property
+    def _scale(self) -> float:
+        return self._get("scale")
+
+    @_scale.setter
+    def _scale(self, value: float) -> None:
+        self._set("scale", float(value))
 
     @property
     def scale(self) -> LossScale:
-        """The current loss scale ``S``: a float that can also be called, ``scale(loss) = loss·S``."""
+        """The current loss scale ``S``: a float that can also be called, ``scale(loss) = loss·S``.
+
+        Sync-free mode reads it from the device (a synchronisation); use :meth:`scale_loss` in
+        the update step."""
         return LossScale(self._scale)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss·S``, without reading ``S`` on the host in sync-free mode."""
+        if not self.sync_free:
+            return loss * self._counts["scale"]
+        return loss * self._device_state(loss.device)["scale"].to(loss.dtype)
+
+    def _device_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if self._device_counts is None:
+            counts = self._counts
+            self._device_counts = {
+                "scale": torch.tensor(float(counts["scale"]), dtype=torch.float32, device=device),
+                **{k: torch.tensor(int(counts[k]), dtype=torch.int64, device=device)
+                   for k in ("clean_steps", "skipped_steps", "taken_steps")},
+            }
+            self._steps_until_growth_check = self.growth_interval + 1 - int(counts["clean_steps"])
+        return self._device_counts
 
     @torch.no_grad()
     def found_inf(self, optimizer: Optimizer) -> torch.Tensor:
@@ -206,6 +268,10 @@ class CompoundLossScaler:
             reduced = reduce_found_inf(found_inf)
             if reduced is not None:
                 found_inf = reduced
+        if self.sync_free:
+            taken = self._step_on_device(optimizer, found_inf)
+            self.count_step(optimizer)
+            return taken
         if bool(found_inf.item() > 0):
             self._scale *= self.backoff_factor
             rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
@@ -224,6 +290,54 @@ class CompoundLossScaler:
             self.clean_steps = 0
         return True
 
+    def step_on_device(
+        self,
+        optimizer: Optimizer,
+        reduce_found_inf: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """The device half of a sync-free :meth:`step` only: no Python state changes, so it can be
+        captured in a CUDA graph. Call :meth:`count_step` on the host after each run of it."""
+        if not self.sync_free:
+            raise ValueError("step_on_device needs a sync_free=True scaler")
+        found_inf = self.found_inf(optimizer)
+        if reduce_found_inf is not None:
+            reduced = reduce_found_inf(found_inf)
+            if reduced is not None:
+                found_inf = reduced
+        return self._step_on_device(optimizer, found_inf)
+
+    def count_step(self, optimizer: Optimizer) -> None:
+        """The host half of a sync-free step: count it, and look at growth when it may be due."""
+        self._steps_until_growth_check -= 1
+        if self._steps_until_growth_check <= 0:
+            self._growth_check(optimizer)
+
+    def _step_on_device(self, optimizer: Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
+        counts = self._device_state(found_inf.device)
+        skipped = found_inf > 0
+        optimizer.step(found_inf=found_inf)
+        factor = torch.where(skipped, self.backoff_factor, 1.0).to(torch.float32)
+        counts["scale"].mul_(factor)
+        optimizer.rescale_state_(factor, eps_floor=self.eps_floor)
+        taken = ~skipped
+        counts["skipped_steps"].add_(skipped.to(torch.int64))
+        counts["taken_steps"].add_(taken.to(torch.int64))
+        counts["clean_steps"].add_(1).mul_(taken.to(torch.int64))
+        return taken
+
+    def _growth_check(self, optimizer: Optimizer) -> None:
+        """The host-side half of sync-free growth: read ``clean`` now that it may exceed the interval."""
+        counts = self._device_counts
+        clean = int(counts["clean_steps"].item())
+        if clean > self.growth_interval and optimizer_state_is_finite_after(
+            optimizer, self.growth_factor * self.growth_margin
+        ):
+            counts["scale"].mul_(self.growth_factor)
+            rescale_optimizer_state_(optimizer, self.growth_factor, self.eps_floor)
+            counts["clean_steps"].zero_()
+            clean = 0
+        self._steps_until_growth_check = max(self.growth_interval + 1 - clean, 1)
+
     def state_dict(self) -> dict[str, Any]:
         """Plain python numbers: the scale and the counters."""
         return {
@@ -238,3 +352,5 @@ class CompoundLossScaler:
         self.clean_steps = int(state_dict["clean_steps"])
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.taken_steps = int(state_dict["taken_steps"])
+        if self._device_counts is not None:
+            self._steps_until_growth_check = self.growth_interval + 1 - self.clean_steps
