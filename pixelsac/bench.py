@@ -4,6 +4,7 @@
     python -m pixelsac.bench agent.batch_size=128 bench.modes=fp32,fp16
     python -m pixelsac.bench bench.batch_sizes=128,512 bench.ablations=true bench.updates=500
     python -m pixelsac.bench bench.channels_last=both bench.compile=both bench.modes=fp32,fp16
+    python -m pixelsac.bench bench.sync_free=both bench.batch=all bench.modes=fp32,fp16
 
 Every cell (mode x batch size x speed option) builds the configured agent afresh and times its
 real training step (``SACModule.training_step`` under a Lightning Trainer, no environment) on one
@@ -80,6 +81,8 @@ ABLATIONS = tuple(f"fp16-no-{switch}" for switch in SIX)
 
 # --- options ---------------------------------------------------------------------------------
 _ON_OFF = ("off", "on", "both")
+_AUTO_ON_OFF = ("auto", "off", "on", "both")
+_BATCH_SOURCES = ("host", "pinned", "device")
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 #: bench.* options: name -> (default, help)
@@ -93,6 +96,13 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "compile": ("off", "torch.compile the networks (trunk, projections, Q heads, actor): off | on | both"),
     "compile_mode": ("default", "torch.compile mode: " + " | ".join(_COMPILE_MODES) + " (inductor only)"),
     "compile_backend": ("inductor", "torch.compile backend (eager / aot_eager to check the wiring cheaply)"),
+    "sync_free": ("auto", "device-side loss-scale decisions + index random shift (perf.sync_free, perf.aug_backend) "
+                          "vs host decisions + kornia crop: auto (the device's default) | off | on | both"),
+    "cuda_graphs": ("off", "replay each update as a CUDA graph (perf.cuda_graphs; GPU only, implies sync_free): "
+                           "off | on | both"),
+    "batch": ("auto", "where each update's batch comes from: host (pageable) | pinned (page-locked host) | "
+                      "device (already on the GPU, as replay.device=auto gives) | all; auto = the training "
+                      "default (pinned on a GPU, host on a CPU)"),
     "isolate": (None, "one fresh process per cell, so a CPU's peak RSS is the cell's own "
                       "(default: true on a CPU, false on a GPU where the CUDA allocator resets its peak)"),
     "device": ("auto", "auto | cpu | cuda"),
@@ -115,6 +125,9 @@ class BenchOptions:
     compile: str
     compile_mode: str
     compile_backend: str
+    sync_free: str
+    cuda_graphs: str
+    batch: list[str] | None
     isolate: bool | None
     device: str
     out: str | None
@@ -192,6 +205,13 @@ def parse_options(given: dict[str, Any]) -> BenchOptions:
     out = value["out"]
     if out is not None and (not isinstance(out, str) or not out.strip()):
         raise BenchError(f"bench.out={out!r} must be a folder path")
+    batch = None
+    if value["batch"] != "auto":
+        names = _as_list("batch", value["batch"])
+        batch = list(_BATCH_SOURCES) if names == ["all"] else names
+        for name in batch:
+            if name not in _BATCH_SOURCES:
+                raise BenchError(f"bench.batch={value['batch']!r}; choose from auto, all, {', '.join(_BATCH_SOURCES)}")
     backend = value["compile_backend"]
     if not isinstance(backend, str) or not backend:
         raise BenchError(f"bench.compile_backend={backend!r} must be a backend name such as inductor")
@@ -204,6 +224,9 @@ def parse_options(given: dict[str, Any]) -> BenchOptions:
         compile=_choice("compile", value["compile"], _ON_OFF),
         compile_mode=_choice("compile_mode", value["compile_mode"], _COMPILE_MODES),
         compile_backend=backend,
+        sync_free=_choice("sync_free", value["sync_free"], _AUTO_ON_OFF),
+        cuda_graphs=_choice("cuda_graphs", value["cuda_graphs"], _ON_OFF),
+        batch=batch,
         isolate=isolate,
         device=_choice("device", value["device"], ("auto", "cpu", "cuda")),
         out=out,
@@ -241,35 +264,21 @@ class CellSpec:
     device: str
     obs_shape: list[int]
     action_dim: int
+    sync_free: bool | None = None  # None: the device's default, unlabelled
+    batch_source: str = "host"
+    label_batch: bool = False      # name the batch source in the variant (it was asked for)
+    cuda_graphs: bool = False
 
     @property
     def variant(self) -> str:
-        return "+".join(name for name, on in (("channels_last", self.channels_last), ("compile", self.compile)) if on)
-
-
-def apply_speed_options(module: Any, channels_last: bool, compile: bool, compile_mode: str = "default",
-                        compile_backend: str = "inductor") -> None:
-    """GPU-speed switches that need no change to the module's code.
-
-    ``channels_last``: every 4-D tensor of the module (conv weights of the critic, its target
-    and the Kahan-momentum copies) in NHWC, so cuDNN runs the trunk's convolutions channels-last
-    (a convolution follows its weight's memory format). ``compile``: ``nn.Module.compile`` on the
-    trunk, projection and Q heads of the critic and its target, and on the actor -- in place, so
-    parameter names, optimizers and checkpoints are unchanged. The augmentation, the losses'
-    elementwise math and the optimizers stay eager.
-    """
-    import torch
-
-    if channels_last:
-        module.to(memory_format=torch.channels_last)
-    if compile:
-        kwargs: dict[str, Any] = {"backend": compile_backend}
-        if compile_backend == "inductor" and compile_mode != "default":
-            kwargs["mode"] = compile_mode
-        for critic in (module.critic, module.critic_target):
-            for part in (critic.trunk, critic.proj, critic.q1, critic.q2):
-                part.compile(**kwargs)
-        module.actor.compile(**kwargs)
+        names = [name for name, on in (("channels_last", self.channels_last), ("compile", self.compile)) if on]
+        if self.sync_free is not None:
+            names.append("sync_free" if self.sync_free else "host_sync")
+        if self.cuda_graphs:
+            names.append("cuda_graphs")
+        if self.label_batch:
+            names.append(f"{self.batch_source}_batch")
+        return "+".join(names)
 
 
 def _set_tf32(enabled: bool) -> None:
@@ -302,7 +311,7 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
     """Measure one cell in this process; returns its row (no ratios yet)."""
     import torch
 
-    from pixelsac.perf import synthetic_batch, time_updates
+    from pixelsac.perf import apply_speed_options, synthetic_batch, time_updates
 
     cfg = load_config(spec.overrides)
     mode = MODES[spec.mode]
@@ -310,6 +319,10 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
     if device.type == "cuda":
         _set_tf32(mode.tf32)
     batch = synthetic_batch(spec.batch_size, tuple(spec.obs_shape), spec.action_dim, seed=int(cfg.seed))
+    if spec.batch_source == "pinned":
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+    elif spec.batch_source == "device":
+        batch = {k: v.to(device) for k, v in batch.items()}
 
     def prepare(module: Any) -> None:
         apply_speed_options(module, spec.channels_last, spec.compile, spec.compile_mode, spec.compile_backend)
@@ -440,17 +453,45 @@ def make_plan(argv: list[str]) -> Plan:
                             else "fp32-accumulate emulation exists only on a CPU, so it would repeat fp16"))
             continue
         modes.append(mode)
-    layouts = {"off": [False], "on": [True], "both": [False, True]}
+    layouts = {"off": [False], "on": [True], "both": [False, True], "auto": [None]}
+    sources = options.batch or ["pinned" if on_gpu else "host"]
+    if not on_gpu and sources != ["host"]:
+        notes.append("batch sources pinned and device: skipped on a CPU -- page-locked memory and a separate "
+                     "device exist only with CUDA (a CPU batch is already where the update runs)")
+        sources = ["host"]
+    graph_settings = layouts[options.cuda_graphs]
+    if not on_gpu and True in graph_settings:
+        notes.append("cuda_graphs: skipped on a CPU -- CUDA graphs record GPU kernel launches")
+        graph_settings = [False]
     cells = []
     for batch_size in batch_sizes:
         for channels_last in layouts[options.channels_last]:
             for compile in layouts[options.compile]:
-                for mode in modes:
-                    cell_overrides = [*overrides, *mode.overrides, f"agent.batch_size={batch_size}"]
-                    load_config(cell_overrides)  # a mode that clashes with the overrides fails now
-                    cells.append(CellSpec(mode.name, cell_overrides, batch_size, channels_last, compile,
-                                          options.compile_mode, options.compile_backend, updates, warmup,
-                                          device, list(obs_shape), action_dim))
+                for sync_free in layouts[options.sync_free]:
+                    for graphs in graph_settings:
+                        if graphs and sync_free is False:
+                            continue  # a graph cannot hold a step that reads the device
+                        for source in sources:
+                            for mode in modes:
+                                speed = [] if sync_free is None else [
+                                    f"perf.sync_free={str(sync_free).lower()}",
+                                    f"perf.aug_backend={'index' if sync_free else 'kornia'}"]
+                                if graphs:
+                                    speed += ["perf.cuda_graphs=true", "perf.sync_free=true", "perf.aug_backend=index"]
+                                cell_overrides = [*overrides, *mode.overrides, *speed, f"agent.batch_size={batch_size}"]
+                                cell_cfg = load_config(cell_overrides)  # a mode clashing with the overrides fails now
+                                if graphs:
+                                    from pixelsac.graphs import graph_conflicts
+
+                                    conflict = graph_conflicts(cell_cfg, device, 1)
+                                    if conflict:
+                                        notes.append(f"{mode.name} with cuda_graphs: skipped -- {conflict}")
+                                        continue
+                                cells.append(CellSpec(mode.name, cell_overrides, batch_size, channels_last, compile,
+                                                      options.compile_mode, options.compile_backend, updates, warmup,
+                                                      device, list(obs_shape), action_dim, sync_free, source,
+                                                      label_batch=options.batch is not None and on_gpu,
+                                                      cuda_graphs=graphs))
     if not cells:
         raise BenchError(f"nothing to run on a {device}: " + "; ".join(notes))
     from pixelsac.replay import ReplayBuffer
@@ -472,7 +513,17 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from pixelsac.perf import ratio, speedup
 
     reference = {(r["batch_size"], r["variant"]): r for r in rows if r["mode"] == "fp32" and r["status"] == "ok"}
+    # The first variant measured for a mode and batch size has every speed switch off (cells are
+    # ordered off before on), so it is the baseline that shows what each switch buys.
+    base: dict[tuple[str, int], dict[str, Any]] = {}
     for row in rows:
+        if row["status"] == "ok":
+            base.setdefault((row["mode"], row["batch_size"]), row)
+    for row in rows:
+        first = base.get((row["mode"], row["batch_size"]))
+        row["speedup_vs_base"] = speedup(first["ms_mean"], row["ms_mean"]) \
+            if first is not None and row["status"] == "ok" else None
+        row["base_variant"] = first["variant"] if first is not None else None
         fp32 = reference.get((row["batch_size"], row["variant"]))
         ok = fp32 is not None and row["status"] == "ok"
         row["speedup_vs_fp32"] = speedup(fp32["ms_mean"], row["ms_mean"]) if ok else None
@@ -483,7 +534,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 CSV_COLUMNS = ("mode", "variant", "batch_size", "device", "compute", "emulated", "updates", "warmup",
-               "ms_mean", "ms_std", "ms_median", "ms_min", "speedup_vs_fp32", "peak_mem_bytes", "peak_mem_kind",
+               "ms_mean", "ms_std", "ms_median", "ms_min", "speedup_vs_fp32", "speedup_vs_base", "base_variant", "peak_mem_bytes", "peak_mem_kind",
                "rss_peak_bytes", "peak_vs_fp32", "state_bytes", "state_parameters", "state_optimizer",
                "state_target", "state_vs_fp32", "finite_after_first_update", "finite_at_end", "skipped_critic",
                "skipped_actor", "skipped_alpha", "loss_scale_critic", "loss_scale_actor", "loss_scale_alpha",
@@ -524,12 +575,13 @@ def _mib(value: Any) -> str:
 def markdown(plan: Plan, rows: list[dict[str, Any]], header: list[str]) -> str:
     lines = ["# pixelsac update-step benchmark", "", *header, ""]
     lines += [*(f"- {line}" for line in _cpu_statement(rows, plan.device)), ""]
-    lines += ["| mode | variant | batch | compute | ms/update (mean ± std) | min | speed-up vs fp32 | peak MiB | "
-              "peak vs fp32 | state MiB | state vs fp32 | finite | skipped c/a/α |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| mode | variant | batch | compute | ms/update (mean ± std) | min | speed-up vs fp32 | "
+              "vs switches off | peak MiB | peak vs fp32 | state MiB | state vs fp32 | finite | skipped c/a/α |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | | {r['status']} | | | | | | | | |")
+            lines.append(f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | | {r['status']} "
+                         "| | | | | | | | | |")
             continue
         finite = "yes" if r["finite_at_end"] else ("**non-finite after update 1**" if not r["finite_after_first_update"]
                                                    else "**non-finite**")
@@ -537,12 +589,18 @@ def markdown(plan: Plan, rows: list[dict[str, Any]], header: list[str]) -> str:
             f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | {r['compute']} | "
             f"{_fmt(r['ms_mean'], ',.2f')} ± {_fmt(r['ms_std'], ',.2f')} | {_fmt(r['ms_min'], ',.2f')} | "
             f"{_fmt(r['speedup_vs_fp32'], '.2f')} | "
+            f"{_fmt(r.get('speedup_vs_base'), '.2f') if r.get('base_variant') != r['variant'] else '-'} | "
             f"{_mib(r['peak_mem_bytes'])} | {_fmt(r['peak_vs_fp32'], '.2f')} | {_mib(r['state_bytes'])} | "
             f"{_fmt(r['state_vs_fp32'], '.2f')} | {finite} | "
             f"{r.get('skipped_critic', 0)}/{r.get('skipped_actor', 0)}/{r.get('skipped_alpha', 0)} |")
     kinds = sorted({r["peak_mem_kind"] for r in rows if r["status"] == "ok"})
     lines += ["", "Peak memory: " + "; ".join(kinds) + ". State = parameters + optimizer state + target copies "
-              "(pixelsac.precision.state_bytes). Ratios are to fp32 at the same batch size and variant."]
+              "(pixelsac.precision.state_bytes). Ratios are to fp32 at the same batch size and variant; "
+              "'vs switches off' is the same mode and batch size with every speed switch off (its first row) "
+              "divided by this row. Variants: channels_last (perf.channels_last), compile (perf.compile), "
+              "sync_free / host_sync (perf.sync_free with the index / kornia random shift), "
+              "cuda_graphs (perf.cuda_graphs: each update replayed as a CUDA graph), "
+              "<source>_batch (where the batch is when the update starts: pageable host, pinned host, device)."]
     replay = plan.replay
     lines += ["", f"Replay: {replay['bytes_per_transition']:,.0f} bytes per transition ({replay['frame_dtype']} frames "
                   f"{'x'.join(map(str, replay['frame_shape']))} stored once, action dim {replay['action_dim']}); "

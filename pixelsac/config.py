@@ -26,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 PRECISION_MODES = ("fp32", "fp16", "bf16", "amp")
 OBS_KINDS = ("pixels", "state")
+AUG_BACKENDS = ("kornia", "index")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 #: Types of keys whose default is null (anything else takes its type from conf/config.yaml).
 NULLABLE: dict[str, type] = {
@@ -43,6 +45,10 @@ NULLABLE: dict[str, type] = {
     "env.action_repeat": int,
     "env.camera_id": int,
     "train.num_threads": int,
+    "replay.device": str,
+    "replay.pin_memory": bool,
+    "perf.sync_free": bool,
+    "perf.aug_backend": str,
 }
 
 # (key, smallest allowed value): sizes and counts that must be positive (or non-negative).
@@ -55,7 +61,7 @@ _LOWER_BOUNDS: dict[str, float] = {
     "train.env_frames": 1, "train.seed_steps": 0, "train.updates_per_step": 0,
     "train.eval_every_frames": 1, "train.eval_episodes": 0, "train.log_every_updates": 1,
     "train.num_threads": 1, "train.video_every_evals": 0, "train.video_size": 16,
-    "perf.calibrate_updates": 0, "perf.warmup_updates": 0, "lowp.init_scale": 1e-30, "lowp.growth_interval": 1,
+    "perf.calibrate_updates": 0, "perf.warmup_updates": 0, "perf.graph_warmup_updates": 1, "lowp.init_scale": 1e-30, "lowp.growth_interval": 1,
     "lowp.adam_eps_scaled": 1e-30, "safety.min_loss_scale": 0.0, "lowp.target_scale": 1e-30, "agent.lr": 1e-30,
     "agent.adam_eps": 1e-30, "agent.init_temperature": 1e-30, "agent.critic_tau": 1e-30,
 }
@@ -165,7 +171,8 @@ def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
 
 #: What may change when a run is resumed: budgets, logging, hardware, safety -- not the agent,
 #: its environment or its precision, which the checkpoint's weights and replay are tied to.
-RESUMABLE = ("train.", "trainer.", "perf.", "safety.", "checkpoint.", "trust_checkpoint", "resume", "overwrite")
+RESUMABLE = ("train.", "trainer.", "perf.", "safety.", "checkpoint.", "trust_checkpoint", "resume", "overwrite",
+             "replay.device", "replay.pin_memory")  # where the replay lives; its saved state is the same anywhere
 
 
 def load_config(
@@ -243,6 +250,11 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _is_replay_device(value: str) -> bool:
+    """A ``replay.device`` value: auto, cpu, cuda or cuda:N (whether it exists is checked when the run is built)."""
+    return value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+
+
 def validate(cfg: DictConfig) -> None:
     """Check values that have the right type but make no sense (negative sizes, unknown modes)."""
     if cfg.precision not in PRECISION_MODES:
@@ -250,6 +262,15 @@ def validate(cfg: DictConfig) -> None:
                           f"choose one of {', '.join(PRECISION_MODES)}")
     if cfg.env.obs not in OBS_KINDS:
         raise ConfigError(f"env.obs={cfg.env.obs!r}; choose one of {', '.join(OBS_KINDS)}")
+    replay_device = OmegaConf.select(cfg, "replay.device")
+    if replay_device is not None and not _is_replay_device(replay_device):
+        raise ConfigError(f"replay.device={replay_device!r}; choose null (host memory), auto (the training device), "
+                          "cpu, cuda or cuda:N")
+    if cfg.perf.aug_backend is not None and cfg.perf.aug_backend not in AUG_BACKENDS:
+        raise ConfigError(f"perf.aug_backend={cfg.perf.aug_backend!r}; choose one of {', '.join(AUG_BACKENDS)} "
+                          "(or null: index on CUDA, kornia elsewhere)")
+    if cfg.perf.compile_mode not in COMPILE_MODES:
+        raise ConfigError(f"perf.compile_mode={cfg.perf.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
     for key, low in _LOWER_BOUNDS.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and value < low:

@@ -38,9 +38,12 @@ from pixelsac.augment import RandomShift
 from pixelsac.checkpoint import FORMAT_VERSION
 from pixelsac.config import from_plain
 from pixelsac.nets import build_networks
+from pixelsac.graphs import UpdateGraphs
+from pixelsac.perf import apply_speed_options
 from pixelsac.precision import NumericalFailure, PrecisionPolicy
 
 LOSSES = ("critic", "actor", "alpha")
+ACTOR_METRICS = ("actor_loss", "alpha_loss", "entropy")
 
 
 class SACModule(L.LightningModule):
@@ -69,9 +72,12 @@ class SACModule(L.LightningModule):
         self.target_entropy = -float(self.action_dim)
         self.scalers: dict[str, Any] = {}
         self.updates = 0  # gradient updates attempted (critic steps, taken or skipped)
-        self.skipped = dict.fromkeys(LOSSES, 0)
+        self._skipped_host = dict.fromkeys(LOSSES, 0)
+        # skips decided on the device, summed there; read (a sync) only when someone asks
+        self._skipped_device: dict[str, torch.Tensor] = {}
         self.metrics: dict[str, torch.Tensor] = {}
         self._actor_metrics: dict[str, torch.Tensor] = {}
+        self.update_graphs: UpdateGraphs | None = None  # perf.cuda_graphs, built in setup()
 
     # --- Lightning plumbing ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -79,6 +85,15 @@ class SACModule(L.LightningModule):
         self.precision_policy = PrecisionPolicy.from_config(self.cfg, device_type)
         for name in LOSSES:
             self.scalers[name] = self.precision_policy.make_scaler()
+        self.target_updater.check_every_update = not self.precision_policy.sync_free
+        perf = self.cfg.perf
+        backend = perf.get("aug_backend")
+        self.augment.backend = backend or ("index" if device_type == "cuda" else "kornia")
+        if perf.get("channels_last") or perf.get("compile"):
+            apply_speed_options(self, bool(perf.get("channels_last")), bool(perf.get("compile")),
+                                perf.get("compile_mode") or "default")
+        if perf.get("cuda_graphs"):
+            self.update_graphs = UpdateGraphs(self, warmup_updates=int(perf.get("graph_warmup_updates", 3)))
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         agent = self.cfg.agent
@@ -92,14 +107,15 @@ class SACModule(L.LightningModule):
         checkpoint["pixelsac"] = {
             "format": FORMAT_VERSION,
             "updates": self.updates,
-            "skipped": dict(self.skipped),
+            "skipped": self.skipped,
             "scalers": {name: s.state_dict() for name, s in self.scalers.items() if s is not None},
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("pixelsac", {})
         self.updates = int(state.get("updates", 0))
-        self.skipped.update(state.get("skipped", {}))
+        self._skipped_host.update(state.get("skipped", {}))
+        self._skipped_device = {}
         self._pending_scaler_states = state.get("scalers", {})
 
     def on_fit_start(self) -> None:
@@ -171,11 +187,26 @@ class SACModule(L.LightningModule):
             return None
         return lambda flag: self.trainer.strategy.reduce(flag, reduce_op="max")
 
-    def _step(self, name: str, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-        taken = self.precision_policy.backward_and_step(loss, optimizer, self.scalers.get(name),
-                                              self.manual_backward, self._reduce_found_inf())
-        if not taken:
-            self.skipped[name] += 1
+    def _step(self, name: str, loss: torch.Tensor, optimizer: torch.optim.Optimizer, graph_safe: bool = False) -> None:
+        if graph_safe:  # no Lightning hooks or wrappers: their Python would run at capture only
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+        backward = (lambda tensor: tensor.backward()) if graph_safe else self.manual_backward
+        taken = self.precision_policy.backward_and_step(loss, optimizer, self.scalers.get(name), backward,
+                                                        self._reduce_found_inf(), graph_safe=graph_safe)
+        if isinstance(taken, torch.Tensor):
+            skipped = (~taken).to(torch.int64)
+            if name in self._skipped_device:
+                self._skipped_device[name].add_(skipped)
+            else:
+                self._skipped_device[name] = skipped.clone()
+        elif not taken:
+            self._skipped_host[name] += 1
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Optimizer steps skipped on overflow, per loss (reads device-side counts: a sync)."""
+        return {name: count + (int(self._skipped_device[name].item()) if name in self._skipped_device else 0)
+                for name, count in self._skipped_host.items()}
 
     def training_step(self, dataloader_iter: Iterator) -> None:
         """One update. Taking the iterator (rather than a batch) turns off Lightning's one-batch
@@ -183,35 +214,53 @@ class SACModule(L.LightningModule):
         prefetch would act with stale weights and make a checkpoint miss one step's work."""
         batch, _, _ = next(dataloader_iter)  # StopIteration ends the epoch: the budget is spent
         agent = self.cfg.agent
-        cast = self.precision_policy.cast_input
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with_actor = self.updates % agent.actor_update_every == 0
+        with_target = self.updates % agent.critic_target_update_every == 0
+        if self.update_graphs is not None:
+            metrics = self.update_graphs.run(batch, with_actor, with_target)
+        else:
+            metrics = self.update(batch, with_actor, with_target)
+        metrics = dict(metrics)  # a graph's output dict stays as it is
+        if with_actor:
+            self._actor_metrics = {k: metrics.pop(k) for k in ACTOR_METRICS}  # logged with the next critic metrics
+
+        self.updates += 1
+        if self.updates % self.cfg.train.log_every_updates == 0:
+            metrics = {k: v.clone() for k, v in metrics.items()}  # graph outputs are overwritten by the next replay
+            metrics.update({k: v.clone() for k, v in self._actor_metrics.items()}, alpha=self.alpha.detach())
+            self.metrics = metrics  # read (and synchronised) by the logging callback
+            self.check_health(metrics)
+
+    def update(self, batch: dict[str, torch.Tensor], with_actor: bool, with_target: bool,
+               graph_safe: bool = False) -> dict[str, torch.Tensor]:
+        """The critic step, then the actor and temperature steps and the target update when due;
+        returns the losses as tensors. ``graph_safe``: raw torch optimizers and backward, no host
+        bookkeeping (see :mod:`pixelsac.graphs`)."""
+        agent = self.cfg.agent
+        cast = self.precision_policy.cast_input
         obs, next_obs = cast(batch["obs"]), cast(batch["next_obs"])
         action, reward, not_terminal = cast(batch["action"]), cast(batch["reward"]), cast(batch["not_terminal"])
         critic_opt, actor_opt, alpha_opt = self.optimizers()
 
         with self.precision_policy.compute_context():
             critic_loss, metrics = self.critic_loss(obs, action, reward, not_terminal, next_obs)
-        self._step("critic", critic_loss, critic_opt)
+        self._step("critic", critic_loss, critic_opt, graph_safe)
 
-        if self.updates % agent.actor_update_every == 0:
+        if with_actor:
             with self.precision_policy.compute_context():
                 actor_loss, alpha_loss, actor_metrics = self.actor_and_alpha_loss(obs)
-            self._step("actor", actor_loss, actor_opt)
-            self._step("alpha", alpha_loss, alpha_opt)
-            self._actor_metrics = actor_metrics  # logged with the next critic metrics
+            self._step("actor", actor_loss, actor_opt, graph_safe)
+            self._step("alpha", alpha_loss, alpha_opt, graph_safe)
+            metrics.update(actor_metrics)
 
-        if self.updates % agent.critic_target_update_every == 0:
+        if with_target:
             try:
                 self.target_updater.update_(agent.critic_tau)
             except FloatingPointError as exc:  # K·θ overflowed: the critic has grown out of range
                 raise NumericalFailure(f"target update after update {self.updates}: {exc}",
                                        weights_finite=self.weights_are_finite()) from exc
-
-        self.updates += 1
-        if self.updates % self.cfg.train.log_every_updates == 0:
-            metrics.update(self._actor_metrics, alpha=self.alpha.detach())
-            self.metrics = metrics  # read (and synchronised) by the logging callback
-            self.check_health(metrics)
+        return metrics
 
     # --- numerical health ---------------------------------------------------------------------
     def _groups(self) -> dict[str, list[torch.Tensor]]:
@@ -234,6 +283,11 @@ class SACModule(L.LightningModule):
         """
         scales = self.loss_scales()
         scales_text = ", ".join(f"{n}={s:g}" for n, s in scales.items())
+        try:
+            self.target_updater.check_finite()  # deferred to here when the update is sync-free
+        except FloatingPointError as exc:
+            raise NumericalFailure(f"target update before update {self.updates}: {exc}",
+                                   weights_finite=self.weights_are_finite()) from exc
         bad = self.nonfinite_weight_groups()
         if bad:
             losses = ", ".join(f"{k}={float(v):.4g}" for k, v in metrics.items() if k.endswith("loss"))

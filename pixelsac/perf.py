@@ -243,6 +243,30 @@ class UpdateTimer(L.Callback):
         return self._updates_at_start is None or getattr(pl_module, "updates", None) != self._updates_at_start
 
 
+def apply_speed_options(module: Any, channels_last: bool, compile: bool, compile_mode: str = "default",
+                        compile_backend: str = "inductor") -> None:
+    """GPU-speed switches that need no change to the module's code (``perf.channels_last``,
+    ``perf.compile``; the benchmark measures each on and off).
+
+    ``channels_last``: every 4-D tensor of the module (conv weights of the critic, its target
+    and the Kahan-momentum copies) in NHWC, so cuDNN runs the trunk's convolutions channels-last
+    (a convolution follows its weight's memory format). ``compile``: ``nn.Module.compile`` on the
+    trunk, projection and Q heads of the critic and its target, and on the actor -- in place, so
+    parameter names, optimizers and checkpoints are unchanged. The augmentation, the losses'
+    elementwise math and the optimizers stay eager.
+    """
+    if channels_last:
+        module.to(memory_format=torch.channels_last)
+    if compile:
+        kwargs: dict[str, Any] = {"backend": compile_backend}
+        if compile_backend == "inductor" and compile_mode != "default":
+            kwargs["mode"] = compile_mode
+        for critic in (module.critic, module.critic_target):
+            for part in (critic.trunk, critic.proj, critic.q1, critic.q2):
+                part.compile(**kwargs)
+        module.actor.compile(**kwargs)
+
+
 def parameters_finite(module: torch.nn.Module) -> bool:
     """All floating parameters and buffers finite (one host sync)."""
     flags = [torch.isfinite(t).all() for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]

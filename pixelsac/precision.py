@@ -13,7 +13,13 @@ amp      float32       autocast to fp16 + one torch GradScaler per optimizer (st
 =======  ============  =====================================================================
 
 In the pure low-precision modes every parameter, target copy, ``log_alpha`` and optimizer state
-tensor has the parameter dtype. On a CPU, ``lowp.fp32_accumulate`` (on by default there) runs
+tensor has the parameter dtype.
+
+``perf.sync_free`` (default: on for CUDA) keeps every decision of an update on the device: hAdam
+capturable with device-side skips and loss scales (fp16 + six, bf16), fused torch Adam (fp32,
+AMP, where GradScaler then needs no host read either), the target's ``K·θ`` check deferred to the
+health check. A step whose fp16 switches leave torch Adam or KahanAdam under compound loss
+scaling (the no-hAdam ablation) still decides on the host. On a CPU, ``lowp.fp32_accumulate`` (on by default there) runs
 convolutions and matmuls with fp32 accumulation and rounds their outputs to fp16 -- what GPU
 tensor cores do -- because this CPU's native fp16 kernels are 5-14x slower than fp32. Storage and
 every elementwise op stay fp16.
@@ -80,6 +86,7 @@ class PrecisionPolicy:
     growth_interval: int = 10_000
     adam_eps: float = 1e-8
     target_scale: float = 1e4
+    sync_free: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any, device_type: str) -> PrecisionPolicy:
@@ -95,6 +102,9 @@ class PrecisionPolicy:
         fp32_accumulate = cfg.lowp.fp32_accumulate
         if fp32_accumulate is None:
             fp32_accumulate = low and device_type == "cpu"
+        sync_free = cfg.perf.get("sync_free")
+        if sync_free is None:
+            sync_free = device_type == "cuda"
         return cls(
             mode=mode,
             device_type=device_type,
@@ -103,6 +113,7 @@ class PrecisionPolicy:
             growth_interval=cfg.lowp.growth_interval,
             adam_eps=cfg.lowp.adam_eps_scaled if switches["loss_scaling"] else cfg.agent.adam_eps,
             target_scale=cfg.lowp.target_scale,
+            sync_free=bool(sync_free),
             **switches,
         )
 
@@ -138,22 +149,33 @@ class PrecisionPolicy:
         as the authors ran it) and takes effect when ``lowp.kahan_gradients`` is on."""
         use_kahan = kahan and self.kahan_gradients
         if self.hadam:
-            return lowp.HAdam(params, lr=lr, betas=betas, eps=self.adam_eps, kahan=use_kahan)
+            return lowp.HAdam(params, lr=lr, betas=betas, eps=self.adam_eps, kahan=use_kahan,
+                              capturable=self.sync_free)
         if use_kahan:
             return lowp.KahanAdam(params, lr=lr, betas=betas, eps=self.adam_eps)
+        # torch's capturable Adam (step counts read on the device, graph-safe) exists for CUDA only;
+        # on a CPU the host reads of the step count cost nothing
+        capturable = self.sync_free and self.device_type == "cuda"
+        if self.sync_free and not self.is_pure_low:
+            # fused: step counts on the device, and GradScaler hands it found_inf instead of
+            # reading it on the host (fp32 and AMP keep fp32 weights, which fused Adam expects)
+            return torch.optim.Adam(params, lr=lr, betas=betas, eps=self.adam_eps, fused=True, capturable=capturable)
         # foreach keeps the elementwise Adam math in the parameter dtype on every device
-        return torch.optim.Adam(params, lr=lr, betas=betas, eps=self.adam_eps, foreach=True)
+        return torch.optim.Adam(params, lr=lr, betas=betas, eps=self.adam_eps, foreach=True, capturable=capturable)
 
     def make_scaler(self) -> Scaler:
         if self.loss_scaling:
-            return lowp.CompoundLossScaler(init_scale=self.init_scale, growth_interval=self.growth_interval)
+            # device-side skips need hAdam's masked step; other optimizers decide on the host
+            return lowp.CompoundLossScaler(init_scale=self.init_scale, growth_interval=self.growth_interval,
+                                           sync_free=self.sync_free and self.hadam)
         if self.mode == "amp":
             return torch.amp.GradScaler(self.device_type)
         return None
 
     def make_target_updater(self, source: nn.Module, target: nn.Module) -> lowp.KahanEMA:
         """Soft target update: Kahan-momentum with the xK scaled copy, or the plain EMA."""
-        return lowp.KahanEMA(source, target, scale=self.target_scale, compensated=self.kahan_momentum)
+        return lowp.KahanEMA(source, target, scale=self.target_scale, compensated=self.kahan_momentum,
+                             check_every_update=not self.sync_free)
 
     def distribution(self, mu: torch.Tensor, log_std: torch.Tensor) -> lowp.SquashedNormal:
         """The tanh-squashed Gaussian policy.
@@ -177,24 +199,46 @@ class PrecisionPolicy:
         scaler: Scaler,
         backward: Callable[[torch.Tensor], None],
         reduce_found_inf: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> bool:
-        """Backward ``loss`` through ``backward`` and step ``optimizer``; True if the step was taken.
+        graph_safe: bool = False,
+    ) -> bool | torch.Tensor:
+        """Backward ``loss`` through ``backward`` and step ``optimizer``.
 
-        With compound loss scaling the scaled gradient goes straight into hAdam (the scale lives
-        in the optimizer state); with AMP, torch's GradScaler unscales in fp32 and skips on inf.
+        Returns whether the step was taken: a bool, or a 0-dim bool tensor where the decision
+        stayed on the device (read it when the host waits anyway). With compound loss scaling
+        the scaled gradient goes straight into hAdam (the scale lives in the optimizer state);
+        with AMP, torch's GradScaler unscales in fp32 and skips on inf. ``graph_safe`` (for CUDA
+        graph capture) leaves out the compound scaler's host bookkeeping: the caller runs
+        ``scaler.count_step(optimizer)`` after each replay.
         """
         optimizer.zero_grad(set_to_none=True)
         if scaler is None:
             backward(loss)
             optimizer.step()
             return True
-        backward(scaler.scale(loss))
         if isinstance(scaler, lowp.CompoundLossScaler):
+            backward(scaler.scale_loss(loss))
+            if graph_safe:
+                return scaler.step_on_device(optimizer, reduce_found_inf=reduce_found_inf)
             return scaler.step(optimizer, reduce_found_inf=reduce_found_inf)
-        before = scaler.get_scale()
-        scaler.step(optimizer)
+        backward(scaler.scale(loss))
+        # GradScaler keeps its per-optimizer inf flags until update(); summed on the device
+        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning wraps the torch optimizer
+        if getattr(raw, "_step_supports_amp_scaling", False):
+            # Fused Adam skips on the device when handed the flag. Set on the torch optimizer
+            # itself (GradScaler would set it on Lightning's wrapper, where Adam never looks) and
+            # stepped through the wrapper, so Lightning still counts the step.
+            scaler.unscale_(optimizer)
+            found_inf = sum(scaler._found_inf_per_device(optimizer).values())
+            raw.found_inf = found_inf
+            try:
+                optimizer.step()
+            finally:
+                del raw.found_inf
+        else:
+            scaler.step(optimizer)
+            found_inf = sum(scaler._found_inf_per_device(optimizer).values())
         scaler.update()
-        return scaler.get_scale() >= before
+        return found_inf == 0
 
     def describe(self) -> str:
         on = [name for name in SIX if getattr(self, name)]

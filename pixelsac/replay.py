@@ -18,6 +18,15 @@ Frame stacks are rebuilt from the single frames: the stack of obs ends at frame 
 next_obs at frame i, and neither reaches across the episode's first frame, which is repeated in
 place of earlier frames exactly like the environment does at reset. Stacks are ordered oldest
 frame first on the channel axis.
+
+Placement. By default (`device=None`) frames, actions, rewards and terminals are numpy arrays in
+host memory and `sample()` returns host tensors, page-locked with `pin_memory=True` so that the
+training step's `.to(device, non_blocking=True)` is a real asynchronous copy. With `device` given
+(e.g. "cuda:0") those four arrays are torch tensors on that device and `sample()` gathers the
+batch there, so no frame crosses the bus per batch. In every placement the episode-start flags
+and counters stay in host numpy: indices are drawn and stacks chained on the host with the same
+numpy RNG calls, so a device buffer samples exactly the transitions the host buffer would, and
+only the B x (k+1) slot numbers travel to the device.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ReplayBuffer"]
+__all__ = ["ReplayBuffer", "ReplaySet"]
 
 _FORMAT_VERSION = 1
 
@@ -43,6 +52,52 @@ def _positive(name: str, value: int) -> int:
     return int(value)
 
 
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype that `torch.from_numpy` gives an array of numpy `dtype`."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def _nbytes(array: np.ndarray | torch.Tensor) -> int:
+    if isinstance(array, torch.Tensor):
+        return array.numel() * array.element_size()
+    return int(array.nbytes)
+
+
+def _resolve_placement(
+    device: torch.device | str | None, pin_memory: bool
+) -> tuple[torch.device | None, bool]:
+    """Checked (device, pin_memory); a bare "cuda" becomes the current CUDA device, so that
+    describe() names the GPU the ring really lives on."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if pin_memory:
+            raise ValueError(
+                f"pin_memory applies to host storage (device=None); with device={device} "
+                "batches are already sampled on the device"
+            )
+    if pin_memory and not torch.cuda.is_available():
+        raise ValueError(
+            "pin_memory=True needs CUDA: page-locked host memory only serves asynchronous "
+            "host->GPU copies, and this torch sees no CUDA device; use pin_memory=False"
+        )
+    return device, bool(pin_memory)
+
+
+def _concatenate(pieces: list[torch.Tensor], pin_memory: bool) -> torch.Tensor:
+    """`torch.cat` along the batch axis into a fresh tensor on the pieces' device, page-locked
+    when asked (a plain torch.cat of pinned tensors would return pageable memory)."""
+    first = pieces[0]
+    out = torch.empty(
+        (sum(piece.shape[0] for piece in pieces), *first.shape[1:]),
+        dtype=first.dtype,
+        device=first.device,
+        pin_memory=pin_memory,
+    )
+    return torch.cat(pieces, out=out)
+
+
 class ReplayBuffer:
     """Ring buffer of single frames; samples (obs, action, reward, not_terminal, next_obs).
 
@@ -53,6 +108,12 @@ class ReplayBuffer:
         frame_dtype: numpy dtype of frames (uint8 for images, float32 for states).
         frame_stack: frames per observation, stacked on the first frame axis.
         action_dim: number of action components.
+        device: None keeps everything in host numpy arrays (the default). A torch device puts
+            frames (in the frame dtype), actions, rewards and terminals in torch tensors there;
+            `sample()` then gathers on that device and returns tensors on it. Episode-start
+            flags and counters stay on the host either way.
+        pin_memory: with host storage, return batches in page-locked memory so copying them to
+            a CUDA device is asynchronous; needs CUDA (ValueError otherwise).
 
     Usage: `add_first(frame)` at every episode start, then `add(action, reward, terminal,
     next_frame)` after each agent step.
@@ -65,6 +126,8 @@ class ReplayBuffer:
         frame_dtype: Any,
         frame_stack: int,
         action_dim: int,
+        device: torch.device | str | None = None,
+        pin_memory: bool = False,
     ) -> None:
         self._capacity = _positive("capacity", capacity)
         self._frame_stack = _positive("frame_stack", frame_stack)
@@ -78,12 +141,29 @@ class ReplayBuffer:
         if not self._frame_shape or any(size <= 0 for size in self._frame_shape):
             raise ValueError(f"frame_shape needs positive sizes, got {frame_shape}")
         self._frame_dtype = np.dtype(frame_dtype)
+        self._device, self._pin_memory = _resolve_placement(device, pin_memory)
 
-        # np.zeros maps pages lazily, so a large buffer costs RAM only as it fills.
-        self._frames = np.zeros((self._capacity, *self._frame_shape), dtype=self._frame_dtype)
-        self._actions = np.zeros((self._capacity, self._action_dim), dtype=np.float32)
-        self._rewards = np.zeros(self._capacity, dtype=np.float32)
-        self._terminals = np.zeros(self._capacity, dtype=bool)
+        frames_shape = (self._capacity, *self._frame_shape)
+        self._frames: np.ndarray | torch.Tensor
+        self._actions: np.ndarray | torch.Tensor
+        self._rewards: np.ndarray | torch.Tensor
+        self._terminals: np.ndarray | torch.Tensor
+        if self._device is None:
+            # np.zeros maps pages lazily, so a large buffer costs RAM only as it fills.
+            self._frames = np.zeros(frames_shape, dtype=self._frame_dtype)
+            self._actions = np.zeros((self._capacity, self._action_dim), dtype=np.float32)
+            self._rewards = np.zeros(self._capacity, dtype=np.float32)
+            self._terminals = np.zeros(self._capacity, dtype=bool)
+        else:
+            # Allocated (and zeroed) in full now: a device that cannot hold the ring fails at
+            # start-up, not hours into a run.
+            on = {"device": self._device}
+            self._frames = torch.zeros(frames_shape, dtype=_torch_dtype(self._frame_dtype), **on)
+            self._actions = torch.zeros((self._capacity, self._action_dim), dtype=torch.float32, **on)
+            self._rewards = torch.zeros(self._capacity, dtype=torch.float32, **on)
+            self._terminals = torch.zeros(self._capacity, dtype=torch.bool, **on)
+        # Host numpy in every placement: drawing indices and chaining stacks read it on the host,
+        # so a device buffer draws the same indices as a host one and never waits for the device.
         self._firsts = np.zeros(self._capacity, dtype=bool)
 
         # Absolute number of slots ever written; slot of absolute index j is j % capacity.
@@ -103,14 +183,23 @@ class ReplayBuffer:
         return self._frame_stack
 
     @property
+    def device(self) -> torch.device | None:
+        """Where frames, actions, rewards and terminals live and batches are returned; None: host
+        numpy arrays."""
+        return self._device
+
+    @property
+    def pin_memory(self) -> bool:
+        """Host batches are page-locked."""
+        return self._pin_memory
+
+    @property
     def nbytes(self) -> int:
-        """Bytes allocated by all storage arrays."""
-        return int(
-            self._frames.nbytes
-            + self._actions.nbytes
-            + self._rewards.nbytes
-            + self._terminals.nbytes
-            + self._firsts.nbytes
+        """Bytes allocated by all storage arrays (on the device, plus the host's episode-start
+        flags, when the ring lives on a device)."""
+        return sum(
+            _nbytes(array)
+            for array in (self._frames, self._actions, self._rewards, self._terminals, self._firsts)
         )
 
     @property
@@ -119,13 +208,22 @@ class ReplayBuffer:
         return self.nbytes / self._capacity
 
     def describe(self) -> str:
-        """One line stating the capacity in transitions and bytes."""
-        frame = "x".join(str(size) for size in self._frame_shape)
+        """One line stating the capacity in transitions and bytes, and where they live."""
         return (
             f"replay buffer: {self._capacity:,} transitions x {self.bytes_per_transition:,.0f} B "
-            f"= {self.nbytes / 1e9:.2f} GB ({self._frame_dtype.name} frames {frame} stored once, "
-            f"stacks of {self._frame_stack} rebuilt at sample time)"
+            f"= {self.nbytes / 1e9:.2f} GB ({self._contents()})"
         )
+
+    def _contents(self) -> str:
+        """What the ring stores and where, for describe()."""
+        frame = "x".join(str(size) for size in self._frame_shape)
+        where = "" if self._device is None else f" on {self._device}"
+        there = "" if self._device is None else "there "
+        text = (
+            f"{self._frame_dtype.name} frames {frame} stored once{where}, "
+            f"stacks of {self._frame_stack} rebuilt {there}at sample time"
+        )
+        return text + (", batches in pinned host memory" if self._pin_memory else "")
 
     def __len__(self) -> int:
         """Number of transitions that can be sampled now."""
@@ -138,9 +236,7 @@ class ReplayBuffer:
     def add_first(self, frame: np.ndarray) -> None:
         """Store the first frame of a new episode."""
         slot = self._write_frame(frame)
-        self._actions[slot] = 0.0
-        self._rewards[slot] = 0.0
-        self._terminals[slot] = False
+        self._write_step(slot, None, 0.0, False)
         self._firsts[slot] = True
         self._written += 1
         self._episode_open = True
@@ -162,9 +258,7 @@ class ReplayBuffer:
         if action.shape != (self._action_dim,):
             raise ValueError(f"action must have {self._action_dim} components, got {action.shape}")
         slot = self._write_frame(next_frame)
-        self._actions[slot] = action
-        self._rewards[slot] = reward
-        self._terminals[slot] = bool(terminal)
+        self._write_step(slot, action, reward, bool(terminal))
         self._firsts[slot] = False
         self._written += 1
         self._episode_open = not terminal
@@ -177,8 +271,41 @@ class ReplayBuffer:
             # Casting floats in [0, 1] or [0, 255] to uint8 would silently wrap or truncate.
             raise ValueError(f"frames must be uint8 images, got {frame.dtype}")
         slot = self._written % self._capacity
-        self._frames[slot] = frame
+        if self._device is None:
+            self._frames[slot] = frame
+        else:
+            # The same cast as numpy's assignment above (e.g. float64 states to float32).
+            staged = self._host_tensor(np.asarray(frame, dtype=self._frame_dtype))
+            self._frames[slot].copy_(staged, non_blocking=True)
         return slot
+
+    def _write_step(self, slot: int, action: np.ndarray | None, reward: float, terminal: bool) -> None:
+        """Action (None: zeros, at an episode start), reward and terminal of `slot`."""
+        if self._device is None:
+            self._actions[slot] = 0.0 if action is None else action
+            self._rewards[slot] = reward
+            self._terminals[slot] = terminal
+            return
+        if action is None:
+            self._actions[slot].zero_()
+        else:
+            self._actions[slot].copy_(self._host_tensor(action), non_blocking=True)
+        # Python scalars travel as kernel arguments: no host->device copy, no synchronisation.
+        self._rewards[slot].fill_(float(reward))
+        self._terminals[slot].fill_(terminal)
+
+    def _host_tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A private host copy of `array` that `copy_(..., non_blocking=True)` may read later.
+
+        For CUDA it is page-locked, so the copy neither waits for queued GPU work nor blocks the
+        host; torch's caching host allocator keeps the block until that copy has run, so the
+        caller may reuse `array` at once. Other devices copy synchronously anyway.
+        """
+        if self._device is not None and self._device.type == "cuda":
+            staged = torch.empty(array.shape, dtype=_torch_dtype(array.dtype), pin_memory=True)
+            staged.numpy()[...] = array
+            return staged
+        return torch.from_numpy(np.array(array, copy=True))  # writable and contiguous
 
     # ------------------------------------------------------------------ sampling
     def _sample_range(self) -> tuple[int, int]:
@@ -216,9 +343,11 @@ class ReplayBuffer:
     def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         """Draw `batch_size` transitions uniformly (with replacement).
 
-        Returns CPU tensors: `obs` and `next_obs` of shape (B, k*C, H, W) in the frame dtype
-        (or (B, k*D) for state vectors), `action` (B, A), `reward` (B, 1) and `not_terminal`
-        (B, 1, 0.0 where the task terminated), all float32 except the frames.
+        Returns tensors on `device` (host tensors, page-locked with `pin_memory`, when the ring
+        is in host memory): `obs` and `next_obs` of shape (B, k*C, H, W) in the frame dtype (or
+        (B, k*D) for state vectors), `action` (B, A), `reward` (B, 1) and `not_terminal` (B, 1,
+        0.0 where the task terminated), all float32 except the frames. The same history and RNG
+        state give the same values in every placement.
         """
         batch_size = _positive("batch_size", batch_size)
         if len(self) == 0:
@@ -226,35 +355,68 @@ class ReplayBuffer:
                 "cannot sample from an empty replay buffer: add an episode start and at least "
                 f"one step (stored slots: {min(self._written, self._capacity)})"
             )
-        indices = self._draw_indices(batch_size, rng)
+        slots = self._stack_slots(self._draw_indices(batch_size, rng))
+        if self._device is None:
+            return self._gather_on_host(slots)
+        return self._gather_on_device(slots)
 
+    def _stack_slots(self, indices: np.ndarray) -> np.ndarray:
+        """Slots (B, k+1) of the frames i-k .. i of each sampled transition i, oldest first:
+        obs is columns [:k], next_obs columns [1:], the transition's own slot column k."""
         # chain[:, m] is the absolute index of the frame m steps back from i, held at the
         # episode's first frame once it reaches it. i itself is never a first slot, so
         # chain[:, 1] = i - 1 is always in the same episode.
         stack = self._frame_stack
-        chain = np.empty((batch_size, stack + 1), dtype=np.int64)
+        chain = np.empty((indices.shape[0], stack + 1), dtype=np.int64)
         chain[:, 0] = indices
         for back in range(1, stack + 1):
             previous = chain[:, back - 1]
             at_episode_start = self._firsts[previous % self._capacity]
             chain[:, back] = np.where(at_episode_start, previous, previous - 1)
-        slots = chain % self._capacity
-        # Oldest frame first: obs is frames i-k..i-1, next_obs is frames i-k+1..i.
-        obs_slots = slots[:, stack:0:-1]
-        next_obs_slots = slots[:, stack - 1 :: -1]
+        return np.ascontiguousarray((chain % self._capacity)[:, ::-1])
 
+    def _gather_on_host(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch as host tensors (page-locked with `pin_memory`), filled in place."""
+        batch_size, stack = slots.shape[0], self._frame_stack
         flat_obs_shape = (batch_size, stack * self._frame_shape[0], *self._frame_shape[1:])
-        obs = self._frames[obs_slots].reshape(flat_obs_shape)
-        next_obs = self._frames[next_obs_slots].reshape(flat_obs_shape)
-        sampled = slots[:, 0]
+        stacked_shape = (batch_size, stack, *self._frame_shape)
+        frame_dtype = _torch_dtype(self._frame_dtype)
+
+        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, pin_memory=self._pin_memory)
+
+        obs, next_obs = empty(flat_obs_shape, frame_dtype), empty(flat_obs_shape, frame_dtype)
+        action = empty((batch_size, self._action_dim), torch.float32)
+        reward, not_terminal = empty((batch_size, 1), torch.float32), empty((batch_size, 1), torch.float32)
+        # np.take writes straight into the tensors' memory (no temporary batch); mode="clip"
+        # skips the buffered bounds check that "raise" needs with out=, and the slots are in
+        # range by construction.
+        take = {"axis": 0, "mode": "clip"}
+        np.take(self._frames, slots[:, :stack], out=obs.numpy().reshape(stacked_shape), **take)
+        np.take(self._frames, slots[:, 1:], out=next_obs.numpy().reshape(stacked_shape), **take)
+        sampled = slots[:, stack]
+        np.take(self._actions, sampled, out=action.numpy(), **take)
+        np.take(self._rewards, sampled, out=reward.numpy().reshape(batch_size), **take)
+        not_terminal.numpy()[:, 0] = ~self._terminals[sampled]
+        return {"obs": obs, "action": action, "reward": reward, "not_terminal": not_terminal,
+                "next_obs": next_obs}
+
+    def _gather_on_device(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch gathered on the ring's device. The slot numbers are the only host->device
+        transfer (asynchronous from pinned memory on CUDA), and nothing here reads a device
+        value back, so the host never waits for the GPU."""
+        batch_size, stack = slots.shape[0], self._frame_stack
+        flat_obs_shape = (batch_size, stack * self._frame_shape[0], *self._frame_shape[1:])
+        index = self._host_tensor(slots).to(self._device, non_blocking=True)
+        sampled = index[:, stack]
+        # Two gathers rather than one of k+1 frames sliced twice: obs and next_obs come out
+        # contiguous and independent, as the host buffer returns them.
         return {
-            "obs": torch.from_numpy(obs),
-            "action": torch.from_numpy(self._actions[sampled]),
-            "reward": torch.from_numpy(self._rewards[sampled][:, None]),
-            "not_terminal": torch.from_numpy(
-                (~self._terminals[sampled]).astype(np.float32)[:, None]
-            ),
-            "next_obs": torch.from_numpy(next_obs),
+            "obs": self._frames[index[:, :stack]].reshape(flat_obs_shape),
+            "action": self._actions[sampled],
+            "reward": self._rewards[sampled].unsqueeze(1),
+            "not_terminal": (~self._terminals[sampled]).to(torch.float32).unsqueeze(1),
+            "next_obs": self._frames[index[:, 1:]].reshape(flat_obs_shape),
         }
 
     # ------------------------------------------------------------------ resume
@@ -262,24 +424,33 @@ class ReplayBuffer:
         """Contents and counters as CPU tensors and Python ints (only the filled slots).
 
         Tensors rather than numpy arrays because `torch.load(weights_only=True)`, the default
-        since torch 2.6, refuses numpy arrays inside a checkpoint.
+        since torch 2.6, refuses numpy arrays inside a checkpoint. The same format in every
+        placement (device storage is copied to the host), so a state saved from a device buffer
+        loads into a host buffer and vice versa.
         """
         filled = min(self._written, self._capacity)
+
+        def host_copy(array: np.ndarray | torch.Tensor) -> torch.Tensor:
+            if isinstance(array, torch.Tensor):
+                return array[:filled].to("cpu", copy=True)
+            return torch.from_numpy(array[:filled].copy())
+
         return {
             "format_version": _FORMAT_VERSION,
             "capacity": self._capacity,
             "frame_stack": self._frame_stack,
             "written": self._written,
             "episode_open": int(self._episode_open),
-            "frames": torch.from_numpy(self._frames[:filled].copy()),
-            "actions": torch.from_numpy(self._actions[:filled].copy()),
-            "rewards": torch.from_numpy(self._rewards[:filled].copy()),
-            "terminals": torch.from_numpy(self._terminals[:filled].copy()),
-            "firsts": torch.from_numpy(self._firsts[:filled].copy()),
+            "frames": host_copy(self._frames),
+            "actions": host_copy(self._actions),
+            "rewards": host_copy(self._rewards),
+            "terminals": host_copy(self._terminals),
+            "firsts": host_copy(self._firsts),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output into a buffer built with the same arguments.
+        """Restore `state_dict()` output into a buffer built with the same arguments (any
+        placement: contents are copied onto this buffer's device).
 
         Accepts tensors or numpy arrays; raises ValueError on any mismatch without changing
         the buffer.
@@ -295,28 +466,34 @@ class ReplayBuffer:
         written = int(state["written"])
         filled = min(written, self._capacity)
         arrays = {
-            "frames": self._frames,
-            "actions": self._actions,
-            "rewards": self._rewards,
-            "terminals": self._terminals,
-            "firsts": self._firsts,
+            "frames": (self._frames, self._frame_dtype),
+            "actions": (self._actions, np.dtype(np.float32)),
+            "rewards": (self._rewards, np.dtype(np.float32)),
+            "terminals": (self._terminals, np.dtype(bool)),
+            "firsts": (self._firsts, np.dtype(bool)),
         }
         # Check everything before writing anything, so a bad state leaves the buffer intact.
         loaded = {}
-        for name, target in arrays.items():
+        for name, (target, dtype) in arrays.items():
             value = state[name]
             if isinstance(value, torch.Tensor):
                 value = value.detach().cpu().numpy()
             source = np.asarray(value)
-            if source.shape != (filled, *target.shape[1:]) or source.dtype != target.dtype:
+            row = tuple(target.shape[1:])
+            if source.shape != (filled, *row) or source.dtype != dtype:
                 raise ValueError(
                     f"replay state {name!r} is {source.dtype}{list(source.shape)}, "
-                    f"expected {target.dtype}{[filled, *target.shape[1:]]}"
+                    f"expected {dtype}{[filled, *row]}"
                 )
             loaded[name] = source
-        for name, target in arrays.items():
-            target[:filled] = loaded[name]
-            target[filled:] = 0
+        for name, (target, _) in arrays.items():
+            if isinstance(target, torch.Tensor):
+                # from_numpy needs a writable, contiguous array (np.require copies only if not).
+                target[:filled].copy_(torch.from_numpy(np.require(loaded[name], requirements="CW")))
+                target[filled:].zero_()
+            else:
+                target[:filled] = loaded[name]
+                target[filled:] = 0
         self._written = written
         self._episode_open = bool(int(state["episode_open"]))
 
@@ -326,16 +503,20 @@ class ReplaySet:
 
     Each environment's frames must stay consecutive for stacks to be rebuilt, so each gets its
     own ring of ``capacity // num_envs`` slots. A batch draws from the buffers in proportion to
-    the transitions they hold (one multinomial draw), then concatenates.
+    the transitions they hold (one multinomial draw), then concatenates on the rings' device
+    (into page-locked memory with ``pin_memory``). ``device`` and ``pin_memory`` are passed to
+    every ring: see :class:`ReplayBuffer`.
     """
 
     def __init__(self, num_envs: int, capacity: int, frame_shape: tuple[int, ...], frame_dtype: Any,
-                 frame_stack: int, action_dim: int) -> None:
+                 frame_stack: int, action_dim: int, device: torch.device | str | None = None,
+                 pin_memory: bool = False) -> None:
         per_env = _positive("capacity", capacity) // _positive("num_envs", num_envs)
         if per_env <= frame_stack:
             raise ValueError(f"replay capacity {capacity} is too small for {num_envs} envs "
                              f"(each needs more than {frame_stack} slots)")
-        self.buffers = [ReplayBuffer(per_env, frame_shape, frame_dtype, frame_stack, action_dim)
+        self.buffers = [ReplayBuffer(per_env, frame_shape, frame_dtype, frame_stack, action_dim,
+                                     device=device, pin_memory=pin_memory)
                         for _ in range(num_envs)]
 
     @property
@@ -350,14 +531,16 @@ class ReplaySet:
     def bytes_per_transition(self) -> float:
         return self.nbytes / self.capacity
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where the rings' storage lives and batches are returned; None: host memory."""
+        return self.buffers[0].device
+
     def describe(self) -> str:
-        """One line stating the capacity in transitions and bytes, over all rings."""
-        first = self.buffers[0]
-        frame = "x".join(str(size) for size in first._frame_shape)
+        """One line stating the capacity in transitions and bytes, over all rings, and where."""
         rings = f"; {len(self.buffers)} rings, one per env" if len(self.buffers) > 1 else ""
         return (f"replay buffer: {self.capacity:,} transitions x {self.bytes_per_transition:,.0f} B "
-                f"= {self.nbytes / 1e9:.2f} GB ({first._frame_dtype.name} frames {frame} stored once, "
-                f"stacks of {first.frame_stack} rebuilt at sample time){rings}")
+                f"= {self.nbytes / 1e9:.2f} GB ({self.buffers[0]._contents()}){rings}")
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers)
@@ -376,7 +559,8 @@ class ReplaySet:
             raise ValueError("cannot sample from an empty replay buffer")
         counts = rng.multinomial(batch_size, sizes / sizes.sum())
         parts = [b.sample(int(n), rng) for b, n in zip(self.buffers, counts) if n > 0]
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        pin = self.buffers[0].pin_memory
+        return {key: _concatenate([p[key] for p in parts], pin) for key in parts[0]}
 
     def state_dict(self) -> dict[str, Any]:
         return {"buffers": [b.state_dict() for b in self.buffers]}

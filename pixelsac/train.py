@@ -140,6 +140,43 @@ def shared_run_dir(cfg: Any, rank: int) -> Path:
     return run_dir
 
 
+def replay_placement(cfg: Any, training_device: Any) -> tuple[Any, bool]:
+    """``(device, pin_memory)`` for the replay rings from ``replay.device``, ``replay.pin_memory``
+    and the device this rank trains on (``trainer.strategy.root_device``).
+
+    ``auto`` is the training device, or host memory (None) when that is a CPU: there numpy
+    storage is the training device's memory already. A bare ``cuda`` is this rank's GPU.
+    ``pin_memory`` null is on exactly when batches go from host replay to a CUDA device. A device
+    or pinned memory this machine lacks is a ConfigError (one line, exit code 2).
+    """
+    import torch
+
+    setting, pin = cfg.replay.device, cfg.replay.pin_memory
+    device = None
+    if setting == "auto":
+        device = None if training_device.type == "cpu" else training_device
+    elif setting is not None:
+        device = torch.device(setting)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"replay.device={setting} needs a CUDA GPU and torch sees none; "
+                                  "use replay.device=null (host memory) or auto")
+            if device.index is None and training_device.type == "cuda":
+                device = training_device  # under DDP each rank keeps its replay on its own GPU
+            elif device.index is not None and device.index >= torch.cuda.device_count():
+                raise ConfigError(f"replay.device={setting}, but torch sees {torch.cuda.device_count()} CUDA "
+                                  f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    if pin is None:
+        pin = device is None and training_device.type == "cuda"
+    elif pin and device is not None:
+        raise ConfigError(f"replay.pin_memory=true applies to host replay; replay.device={setting} already "
+                          "samples batches on the device (leave pin_memory null)")
+    elif pin and not torch.cuda.is_available():
+        raise ConfigError("replay.pin_memory=true needs CUDA (page-locked memory serves host->GPU copies) "
+                          "and torch sees no CUDA device; use replay.pin_memory=null")
+    return device, bool(pin)
+
+
 def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing.
 
@@ -161,6 +198,13 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
 
     trainer = make_trainer(cfg)
     rank, world = trainer.global_rank, trainer.world_size
+    replay_device, pin_memory = replay_placement(cfg, trainer.strategy.root_device)  # fails before any env starts
+    if cfg.perf.cuda_graphs:
+        from pixelsac.graphs import graph_conflicts
+
+        conflict = graph_conflicts(cfg, trainer.strategy.root_device.type, world)
+        if conflict:
+            raise ConfigError(conflict)
     run_dir = shared_run_dir(cfg, rank)
     if rank == 0 and resume_from is None and run_dir.exists() \
             and (not run_dir.is_dir() or any(run_dir.iterdir())) and not cfg.overwrite:
@@ -180,7 +224,7 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1, **env_kwargs)
 
     replay = ReplaySet(cfg.env.num_envs, cfg.replay.capacity, env.frame_shape, env.frame_dtype,
-                       env.frame_stack, env.action_dim)
+                       env.frame_stack, env.action_dim, device=replay_device, pin_memory=pin_memory)
     module = SACModule(to_plain(cfg), env.obs_shape, env.action_dim)
     if rank > 0:  # identical initial weights everywhere; each rank augments and samples its own way
         torch.manual_seed(rank_seed)

@@ -1,9 +1,10 @@
 """DrQ's random shift: an exact integer shift of the replicate-padded image, per sample."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from pixelsac.augment import RandomShift
+from pixelsac.augment import BACKENDS, RandomShift
 
 
 def _find_shift(out: torch.Tensor, padded: torch.Tensor, size: int, pad: int) -> tuple[int, int] | None:
@@ -14,33 +15,53 @@ def _find_shift(out: torch.Tensor, padded: torch.Tensor, size: int, pad: int) ->
     return None
 
 
-def _check(dtype: torch.dtype) -> set:
+def _check(dtype: torch.dtype, backend: str = "kornia", samples: int = 12) -> list:
     torch.manual_seed(0)
     size, pad = 16, 4
-    images = torch.randint(0, 256, (12, 9, size, size)).to(dtype)
-    out = RandomShift(size, pad)(images)
+    images = torch.randint(0, 256, (samples, 9, size, size)).to(dtype)
+    out = RandomShift(size, pad, backend)(images)
     assert out.shape == images.shape and out.dtype == dtype
     padded = F.pad(images.float(), (pad,) * 4, mode="replicate").to(dtype)
-    shifts = set()
+    shifts = []
     for i in range(images.shape[0]):
         shift = _find_shift(out[i], padded[i], size, pad)
         assert shift is not None, f"sample {i} is not an integer shift of the padded image"
-        shifts.add(shift)
+        shifts.append(shift)
     return shifts
 
 
-def test_shift_is_exact_in_fp32():
-    assert len(_check(torch.float32)) > 3  # independent per sample, not one shift for the batch
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shift_is_exact_in_fp32(backend):
+    assert len(set(_check(torch.float32, backend))) > 3  # independent per sample, not one shift for the batch
 
 
-def test_shift_is_exact_in_fp16():
-    assert len(_check(torch.float16)) > 3
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shift_is_exact_in_fp16(backend):
+    assert len(set(_check(torch.float16, backend))) > 3
 
 
-def test_copies_are_independent_and_zero_pad_is_identity():
+def test_index_backend_draws_every_offset_uniformly():
+    """81 offsets for pad 4: over 1,620 samples each is expected 20 times; a shift biased to the
+    centre, a missing edge offset or dy tied to dx fails the counts."""
+    shifts = _check(torch.float16, "index", samples=1620)
+    counts = torch.zeros(9, 9)
+    for dy, dx in shifts:
+        counts[dy, dx] += 1
+    assert (counts > 0).all(), counts
+    chi2 = float(((counts - 20.0) ** 2 / 20.0).sum())
+    assert chi2 < 130.0, chi2  # 80 degrees of freedom: p < 0.001 above ~125
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copies_are_independent_and_zero_pad_is_identity(backend):
     torch.manual_seed(1)
     images = torch.randint(0, 256, (4, 3, 16, 16)).float()
-    copies = RandomShift(16, 4).copies(images, 2)
+    copies = RandomShift(16, 4, backend).copies(images, 2)
     assert copies.shape == (8, 3, 16, 16)
     assert not torch.equal(copies[:4], copies[4:])
-    assert torch.equal(RandomShift(16, 0)(images), images)
+    assert torch.equal(RandomShift(16, 0, backend)(images), images)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="kornia, index"):
+        RandomShift(16, 4, "opencv")

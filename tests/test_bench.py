@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixelsac import bench
+from pixelsac import bench, perf
 from pixelsac.config import load_config, to_plain
 from pixelsac.module import SACModule
 
@@ -43,6 +43,26 @@ def test_ratios_are_computed_from_the_measured_values():
     assert fp16_512["peak_vs_fp32"] is None
     assert fp16_cl["speedup_vs_fp32"] is None and fp16_cl["state_vs_fp32"] is None
     assert failed["speedup_vs_fp32"] is None
+    # what a switch buys: the same mode and batch with every switch off (its first row) / this row
+    assert fp16_cl["speedup_vs_base"] == pytest.approx(16.0 / 10.0) and fp16_cl["base_variant"] == ""
+    assert fp16["speedup_vs_base"] == 1.0 and failed["speedup_vs_base"] is None
+
+
+def test_sync_free_is_measured_on_and_off(tmp_path):
+    out = tmp_path / "bench"
+    assert bench.main([*TINY, "bench.modes=fp32,fp16", "bench.sync_free=both", "bench.batch=all",
+                       "bench.isolate=false", f"bench.out={out}"]) == 0
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert [(r["mode"], r["variant"]) for r in rows] == [
+        ("fp32", "host_sync"), ("fp16", "host_sync"), ("fp32", "sync_free"), ("fp16", "sync_free")]
+    assert all(r["status"] == "ok" for r in rows)
+    on = {r["mode"]: r for r in rows if r["variant"] == "sync_free"}
+    off = {r["mode"]: r for r in rows if r["variant"] == "host_sync"}
+    for mode in ("fp32", "fp16"):
+        assert float(on[mode]["speedup_vs_base"]) == pytest.approx(float(off[mode]["ms_mean"]) / float(on[mode]["ms_mean"]))
+        assert on[mode]["base_variant"] == "host_sync"
+    text = (out / "bench.md").read_text()
+    assert "batch sources pinned and device: skipped on a CPU" in text and "vs switches off" in text
 
 
 def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
@@ -90,7 +110,7 @@ def test_speed_switches_keep_the_networks_output():
     plain = SACModule(to_plain(cfg), (9, 24, 24), 2)
     torch.manual_seed(0)
     fast = SACModule(to_plain(cfg), (9, 24, 24), 2)
-    bench.apply_speed_options(fast, channels_last=True, compile=True, compile_backend="eager")
+    perf.apply_speed_options(fast, channels_last=True, compile=True, compile_backend="eager")
     conv = fast.critic.trunk.convs[0].weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     assert fast.critic_target.trunk.convs[2].weight.is_contiguous(memory_format=torch.channels_last)
@@ -115,6 +135,8 @@ def test_help_documents_every_bench_option(capsys):
     (["bench.batch_sizes=128,0"], "bench.batch_sizes=0 must be a positive integer"),
     (["bench.updates=0"], "bench.updates=0 must be a positive integer"),
     (["bench.channels_last=sideways"], "choose one of off, on, both"),
+    (["bench.sync_free=maybe"], "choose one of auto, off, on, both"),
+    (["bench.batch=gpu"], "choose from auto, all, host, pinned, device"),
     (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
     (["task=cheeta_run"], "unknown task 'cheeta_run'"),
     (["bench.modes=tf32", "bench.device=cpu"], "nothing to run on a cpu: tf32: skipped"),

@@ -67,15 +67,16 @@ def test_one_fp32_update_changes_every_parameter():
         assert not torch.equal(before[name], value), f"{name} did not change"
 
 
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync_free"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "amp+fixes"])
-def test_updates_change_parameters_and_keep_losses_finite(precision):
+def test_updates_change_parameters_and_keep_losses_finite(precision, sync_free):
     """A few updates: loss scalers may skip the first steps on overflow (AMP's GradScaler starts
     at 65536) and a Kahan-compensated step smaller than half an ulp of log_alpha first lands in
     the compensation buffer -- both by design."""
     torch.manual_seed(0)
     overrides = ["precision=amp", "lowp.normal_fix=true", "lowp.softplus_fix=true"] if precision == "amp+fixes" \
         else [f"precision={precision}"]
-    module = make_module(*overrides)
+    module = make_module(*overrides, f"perf.sync_free={str(sync_free).lower()}")
     before = snapshot(module)
     trainer = fit(module, [make_batch(seed=i) for i in range(16)])
     after = module.state_dict()
@@ -93,12 +94,14 @@ def test_updates_change_parameters_and_keep_losses_finite(precision):
             assert torch.isfinite(tensor).all(), name
 
 
-def test_plain_amp_actor_overflows_as_the_paper_reports():
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync_free"])
+def test_plain_amp_actor_overflows_as_the_paper_reports(sync_free):
     """Standard mixed precision: autocast leaves the Gaussian log-density's elementwise ops in
     fp16, whose backward overflows; GradScaler then skips every actor step (paper, §AMP). The
-    same run with normal-fix and softplus-fix steps (previous test)."""
+    same run with normal-fix and softplus-fix steps (previous test). Sync-free: fused Adam takes
+    GradScaler's flag on the device and the skips are still counted."""
     torch.manual_seed(0)
-    module = make_module("precision=amp")
+    module = make_module("precision=amp", f"perf.sync_free={str(sync_free).lower()}")
     before = snapshot(module)
     fit(module, [make_batch(seed=i) for i in range(16)])
     assert module.skipped["actor"] == 8
@@ -150,3 +153,30 @@ def test_critic_uses_k_target_copies_and_m_q_copies():
     loss, _ = module.critic_loss(batch["obs"], batch["action"], batch["reward"], batch["not_terminal"], batch["next_obs"])
     assert calls == [(batch["next_obs"].data_ptr(), 3, 12), (batch["obs"].data_ptr(), 2, 8)]
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "amp"])
+def test_sync_free_update_never_waits_for_the_device(precision):
+    """No tensor is read on the host inside a sync-free update (between logging intervals):
+    no loss-scale decision, skip count, K·theta check or augmentation offset. The same update
+    with host decisions and kornia's crop reads many, so the counter can fail."""
+    from test_lowp_sync_free import HostReads
+
+    counts = {}
+    for sync_free in (False, True):
+        reads = HostReads()
+
+        class Counted(SACModule):
+            def training_step(self, dataloader_iter):
+                with reads:
+                    return super().training_step(dataloader_iter)
+
+        module = make_module(f"precision={precision}", "train.log_every_updates=1000",
+                             f"perf.sync_free={str(sync_free).lower()}",
+                             f"perf.aug_backend={'index' if sync_free else 'kornia'}")
+        module.__class__ = Counted
+        fit(module, [make_batch(seed=i) for i in range(3)])
+        assert module.updates == 3
+        counts[sync_free] = dict(reads.calls)
+    assert counts[True] == {}, counts[True]
+    assert sum(counts[False].values()) >= 3, counts[False]

@@ -199,3 +199,17 @@ def test_target_copy_overflow_becomes_a_numerical_failure():
         module.critic.q1[0].weight[0, 0] = 8.0  # K·θ = 80000 > 65504
     with pytest.raises(NumericalFailure, match=r"target update after update 0: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'"):
         fit(module, [make_batch()])
+
+
+def test_sync_free_target_copy_overflow_stops_at_the_next_health_check():
+    """Sync-free updates do not read K·θ on the host; the health check (every log_every_updates)
+    finds the overflowed copy, which stays non-finite, and stops the run with the same message."""
+    from test_module import fit, make_batch, make_module
+    from pixelsac.precision import NumericalFailure
+
+    module = make_module("precision=fp16", "perf.sync_free=true", "train.log_every_updates=3")
+    with torch.no_grad():
+        module.critic.q1[0].weight[0, 0] = 8.0
+    with pytest.raises(NumericalFailure, match=r"target update before update 3: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'"):
+        fit(module, [make_batch(seed=i) for i in range(6)])
+    assert module.updates == 3

@@ -14,21 +14,26 @@
 #   2 bench128   the same modes at batch 128                                                  (T_B128 s)
 #   3 ablations  fp16 minus each of the six switches, batch 512                               (T_ABL s)
 #   4 layout     fp32 and fp16 with channels_last off/on, batch 512                           (T_CL s)
-#   5 learning   cartpole_swingup, fp16 + six vs fp32, two runs side by side, LEARN_FRAMES    (T_LEARN s)
-#   6 compile    fp32 and fp16 with torch.compile on, batch 512 (last: compiling can be slow) (T_COMPILE s)
+#   5 syncfree   fp32 and fp16: host decisions, sync-free, sync-free + CUDA graphs, batch 512 (T_SF s)
+#   6 batchsrc   fp16 with the batch in pageable / pinned host memory / on the GPU, batch 512 (T_SRC s)
+#   7 learning   cartpole_swingup, fp16 + six vs fp32, two runs side by side, LEARN_FRAMES    (T_LEARN s)
+#   8 fast       one fp16 run with CUDA graphs and GPU-resident replay: end-to-end frames/s  (T_FAST s)
+#   9 compile    fp32 and fp16 with torch.compile on, batch 512 (last: compiling can be slow) (T_COMPILE s)
 #
 # OUT_DIR receives few files (the device tool returns at most 8): report.md (every table),
 # results.tar.gz (the whole tree: CSV, JSON, markdown, PNG, logs, run directories), bench512.png,
 # bench128.png, learning.png and gpu_run.log. The tree itself is built in $WORK (default: a
 # fresh folder under /tmp).
 #
-# Knobs (environment): N512=200 N128=200 N_ABL=50 N_CL=100 N_COMPILE=100 WARMUP=20
-#   LEARN_FRAMES=20000 LEARN_TASK=cartpole_swingup COMPILE=1 (0 skips part 6)
-#   T_B512=100 T_B128=60 T_ABL=60 T_CL=40 T_LEARN=120 T_COMPILE=90   PYTHON=python3
+# Knobs (environment): N512=200 N128=100 N_ABL=50 N_CL=100 N_SF=100 N_COMPILE=100 WARMUP=20
+#   LEARN_FRAMES=20000 LEARN_TASK=cartpole_swingup FAST_FRAMES=10000 COMPILE=1 (0 skips part 9)
+#   T_B512=90 T_B128=40 T_ABL=50 T_CL=30 T_SF=60 T_SRC=30 T_LEARN=120 T_FAST=60 T_COMPILE=60
+#   PYTHON=python3
 #   DEVICE=cuda, BENCH_ARGS and LEARN_ARGS (extra key=value overrides) -- for a CPU smoke test:
 #   DEVICE=cpu BENCH_ARGS='env.image_size=24 agent.num_filters=4 bench.isolate=false' \
-#     LEARN_ARGS='preset=tiny' N512=1 N128=1 N_ABL=1 N_CL=1 WARMUP=0 COMPILE=0 tools/gpu_run.sh /tmp/smoke
-# The limits add up to 470 s; with start-up and wheels the worst case is about 8 minutes.
+#     LEARN_ARGS='preset=tiny' N512=1 N128=1 N_ABL=1 N_CL=1 N_SF=1 WARMUP=0 COMPILE=0 FAST_FRAMES=0 \
+#     tools/gpu_run.sh /tmp/smoke
+# The limits add up to 540 s; with start-up and wheels the worst case is about 9.5 minutes.
 set -uo pipefail
 
 OUT=${1:-${OUT:-}}
@@ -42,11 +47,12 @@ OUT=$(cd "$OUT" && pwd)
 WORK=${WORK:-$(mktemp -d /tmp/pixelsac_gpu_run.XXXXXX)}
 mkdir -p "$WORK"
 PY=${PYTHON:-python3}
-N512=${N512:-200}; N128=${N128:-200}; N_ABL=${N_ABL:-50}; N_CL=${N_CL:-100}; N_COMPILE=${N_COMPILE:-100}
-WARMUP=${WARMUP:-20}
+N512=${N512:-200}; N128=${N128:-100}; N_ABL=${N_ABL:-50}; N_CL=${N_CL:-100}; N_SF=${N_SF:-100}
+N_COMPILE=${N_COMPILE:-100}; WARMUP=${WARMUP:-20}
 LEARN_FRAMES=${LEARN_FRAMES:-20000}; LEARN_TASK=${LEARN_TASK:-cartpole_swingup}; COMPILE=${COMPILE:-1}
-T_B512=${T_B512:-100}; T_B128=${T_B128:-60}; T_ABL=${T_ABL:-60}; T_CL=${T_CL:-40}
-T_LEARN=${T_LEARN:-120}; T_COMPILE=${T_COMPILE:-90}
+FAST_FRAMES=${FAST_FRAMES:-10000}
+T_B512=${T_B512:-90}; T_B128=${T_B128:-40}; T_ABL=${T_ABL:-50}; T_CL=${T_CL:-30}; T_SF=${T_SF:-60}
+T_SRC=${T_SRC:-30}; T_LEARN=${T_LEARN:-120}; T_FAST=${T_FAST:-60}; T_COMPILE=${T_COMPILE:-60}
 LOG="$WORK/gpu_run.log"
 MODES=fp32,tf32,amp,bf16,fp16-naive,fp16
 DEVICE=${DEVICE:-cuda}; BENCH_ARGS=${BENCH_ARGS:-}; LEARN_ARGS=${LEARN_ARGS:-}
@@ -109,6 +115,9 @@ bench bench512 "$T_B512" bench.batch_sizes=512 bench.modes=$MODES bench.updates=
 bench bench128 "$T_B128" bench.batch_sizes=128 bench.modes=$MODES bench.updates="$N128"
 bench ablations "$T_ABL" bench.batch_sizes=512 bench.modes=fp16 bench.ablations=true bench.updates="$N_ABL"
 bench layout "$T_CL" bench.batch_sizes=512 bench.modes=fp32,fp16 bench.channels_last=both bench.updates="$N_CL"
+bench syncfree "$T_SF" bench.batch_sizes=512 bench.modes=fp32,fp16 bench.sync_free=both bench.cuda_graphs=both \
+  bench.updates="$N_SF"
+bench batchsrc "$T_SRC" bench.batch_sizes=512 bench.modes=fp16 bench.batch=all bench.updates="$N_SF"
 
 # --- 5: a short learning comparison, fp16 + six vs fp32, side by side on the one GPU ----------
 learn_run() {  # learn_run PRECISION
@@ -124,7 +133,15 @@ part learning "$T_LEARN" bash -c 'learn_run fp16 > "$WORK/learn_fp16.log" 2>&1 &
                                   wait $p16; r16=$?; wait $p32; r32=$?
                                   echo "fp16 exit $r16, fp32 exit $r32"; exit $(( r16 | r32 ))'
 
-# --- 6: torch.compile (may be slow to compile; last so a timeout costs nothing else) ----------
+# --- 8: end to end with every switch on: CUDA graphs, GPU-resident replay (one run alone) ------
+if [[ "$FAST_FRAMES" != 0 ]]; then
+  part fast "$T_FAST" "$PY" -m pixelsac.train task="$LEARN_TASK" precision=fp16 seed=1 \
+    train.env_frames="$FAST_FRAMES" train.eval_every_frames="$FAST_FRAMES" train.eval_episodes=2 \
+    train.video_every_evals=0 train.num_threads=4 perf.cuda_graphs=true replay.device=auto \
+    trainer.enable_progress_bar=false run_dir="$WORK/fast_fp16" overwrite=true $LEARN_ARGS
+fi
+
+# --- 9: torch.compile (may be slow to compile; last so a timeout costs nothing else) ----------
 if [[ "$COMPILE" != 0 ]]; then
   bench compile "$T_COMPILE" bench.batch_sizes=512 bench.modes=fp32,fp16 bench.compile=on bench.updates="$N_COMPILE"
 fi
@@ -137,7 +154,7 @@ from pathlib import Path
 
 work, out, statuses = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 lines = ["# pixelsac on a GPU: what half precision buys", "", "Parts:", *(f"- {s}" for s in statuses), ""]
-for name in ("bench512", "bench128", "ablations", "layout", "compile"):
+for name in ("bench512", "bench128", "ablations", "layout", "syncfree", "batchsrc", "compile"):
     md = work / name / "bench.md"
     if md.is_file():
         lines += [f"## {name}", "", md.read_text().replace("# pixelsac update-step benchmark", "").strip(), ""]
@@ -175,8 +192,8 @@ if any(curves.values()):
         lines.append(f"(learning.png not drawn: {exc})")
 else:
     lines.append("no eval returns found (see learn_fp16.log / learn_fp32.log in results.tar.gz)")
-for p in ("fp16", "fp32"):
-    summary = work / f"learn_{p}" / "summary.json"
+for p, run in (("fp16", "learn_fp16"), ("fp32", "learn_fp32"), ("fp16, CUDA graphs + GPU replay, alone", "fast_fp16")):
+    summary = work / run / "summary.json"
     if summary.is_file():
         s = json.loads(summary.read_text())
         fmt = lambda x, f: "n/a" if x is None else format(x, f)

@@ -1,0 +1,148 @@
+"""CUDA graphs for the update step (``perf.cuda_graphs``).
+
+A DrQ update at batch 512 launches a few thousand small kernels (three losses, their backward
+passes, three optimizer steps over tens of parameter tensors, the target update). On a fast GPU
+the launches, not the arithmetic, bound the step. A CUDA graph records those launches once and
+replays them with one call. That needs an update that never waits for the host, and tensors at
+fixed addresses, which the rest of pixelsac already arranges:
+
+* ``perf.sync_free``: loss-scale skips, counters and the target's K·θ check stay on the device;
+  hAdam and torch Adam are capturable (step counts on the device);
+* ``perf.aug_backend=index``: the random shift's offsets are drawn on the device;
+* the batch is copied into static input tensors before each replay.
+
+Each distinct kind of update -- critic only, or critic + actor + temperature, with or without
+the target update -- gets its own graph, captured after ``warmup_updates`` eager updates of that
+kind (real updates, on a side stream, as capture requires: lazily created state and library
+workspaces exist before recording). The graphs share one memory pool; everything that must live
+between replays (weights, optimizer state, loss scales, skip counts, the losses handed to logging)
+is allocated outside it. Host bookkeeping that a replay cannot do -- counting loss-scaler steps
+and, once per ``growth_interval``, the growth check -- runs after each replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: what capture cannot include, as (condition, reason)
+_NEEDS = "perf.cuda_graphs needs"
+
+
+def graph_conflicts(cfg: Any, device_type: str, world_size: int) -> str | None:
+    """Why ``perf.cuda_graphs`` cannot run with this configuration, or None when it can."""
+    from pixelsac.precision import PrecisionPolicy
+
+    if device_type != "cuda":
+        return f"{_NEEDS} a CUDA device (training runs on {device_type}); set perf.cuda_graphs=false"
+    if world_size > 1:
+        return (f"{_NEEDS} one device: DDP's gradient all-reduce runs from autograd hooks outside a "
+                "capturable step; set perf.cuda_graphs=false or trainer.devices=1")
+    policy = PrecisionPolicy.from_config(cfg, device_type)
+    if not policy.sync_free:
+        return f"{_NEEDS} perf.sync_free (a captured step cannot read the device from the host)"
+    if policy.mode == "amp":
+        return (f"{_NEEDS} pure fp16, bf16 or fp32: AMP's GradScaler keeps Python-side state per step; "
+                "use precision=fp16 (pure fp16 with the six modifications)")
+    if policy.loss_scaling and not policy.hadam:
+        return (f"{_NEEDS} hAdam when loss scaling is on: only its step skips on the device "
+                "(lowp.hadam=true or lowp.loss_scaling=false)")
+    aug = cfg.perf.get("aug_backend")
+    if aug == "kornia" and cfg.env.obs == "pixels" and cfg.agent.aug_pad > 0:
+        return f"{_NEEDS} perf.aug_backend=index (kornia's crop reads its offsets on the host)"
+    if cfg.perf.get("compile") and cfg.perf.get("compile_mode") in ("reduce-overhead", "max-autotune"):
+        return (f"{_NEEDS} perf.compile_mode without CUDA graphs of its own "
+                "(default or max-autotune-no-cudagraphs)")
+    return None
+
+
+class GraphRunner:
+    """Records a function into a CUDA graph and replays it (the one part that needs a GPU)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.side_stream = torch.cuda.Stream()
+
+    def eager(self, fn: Any) -> Any:
+        """Run ``fn`` on a side stream, as warm-up before capture must."""
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side_stream):
+            result = fn()
+        torch.cuda.current_stream().wait_stream(self.side_stream)
+        return result
+
+    def capture(self, fn: Any) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph
+
+    @staticmethod
+    def replay(graph: Any) -> None:
+        graph.replay()
+
+
+class UpdateGraphs:
+    """Runs a :class:`~pixelsac.module.SACModule`'s updates as replays of captured graphs.
+
+    Args:
+        module: the module whose ``update(batch, with_actor, with_target, graph_safe=True)`` is
+            recorded.
+        warmup_updates: eager updates of each kind before its graph is captured.
+        runner: what records and replays (``GraphRunner`` on a GPU; tests pass a stand-in).
+    """
+
+    def __init__(self, module: Any, warmup_updates: int = 3, runner: Any = None) -> None:
+        self.module = module
+        self.warmup_updates = max(int(warmup_updates), 1)
+        self._runner = runner
+        self.graphs: dict[tuple[bool, bool], Any] = {}
+        self.outputs: dict[tuple[bool, bool], dict[str, torch.Tensor]] = {}
+        self.eager_updates: dict[tuple[bool, bool], int] = {}
+        self.static_batch: dict[str, torch.Tensor] | None = None
+
+    @property
+    def runner(self) -> Any:
+        if self._runner is None:
+            self._runner = GraphRunner()
+        return self._runner
+
+    def run(self, batch: dict[str, torch.Tensor], with_actor: bool, with_target: bool) -> dict[str, torch.Tensor]:
+        """One update on ``batch``; returns its losses (tensors that the next replay overwrites)."""
+        kind = (with_actor, with_target)
+        if self.static_batch is None:
+            self.static_batch = {k: torch.empty_like(v) for k, v in batch.items()}
+        for key, value in batch.items():
+            self.static_batch[key].copy_(value, non_blocking=True)
+
+        if kind not in self.graphs:
+            if self.eager_updates.get(kind, 0) < self.warmup_updates:
+                self.eager_updates[kind] = self.eager_updates.get(kind, 0) + 1
+                metrics = self.runner.eager(lambda: self.module.update(self.static_batch, *kind))
+                if kind not in self.outputs:  # allocated outside the graphs' pool: lives between replays
+                    self.outputs[kind] = {k: v.detach().clone() for k, v in metrics.items()}
+                else:
+                    for k, v in metrics.items():
+                        self.outputs[kind][k].copy_(v)
+                return self.outputs[kind]
+            self.graphs[kind] = self.runner.capture(lambda: self._recorded_update(kind))
+        self.runner.replay(self.graphs[kind])
+        self._count_host_steps(with_actor)
+        return self.outputs[kind]
+
+    def _recorded_update(self, kind: tuple[bool, bool]) -> None:
+        metrics = self.module.update(self.static_batch, *kind, graph_safe=True)
+        for key, value in metrics.items():
+            self.outputs[kind][key].copy_(value)
+
+    def _count_host_steps(self, with_actor: bool) -> None:
+        """What a replay cannot do: the compound scalers' step counting and growth checks."""
+        from pixelsac.lowp import CompoundLossScaler
+
+        optimizers = [getattr(opt, "optimizer", opt) for opt in self.module.optimizers()]
+        names = ("critic", "actor", "alpha") if with_actor else ("critic",)
+        for name, optimizer in zip(("critic", "actor", "alpha"), optimizers):
+            scaler = self.module.scalers.get(name)
+            if name in names and isinstance(scaler, CompoundLossScaler):
+                scaler.count_step(optimizer)
