@@ -219,6 +219,13 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
                       episode_frames=cfg.env.episode_frames)
     eval_env = DMCEnv(cfg.task, seed=cfg.seed + 100_000, **env_kwargs)
     eval_env.render(16)  # a missing GL library fails here, before anything is written (no RNG drawn)
+    seed_frames = cfg.train.seed_steps * eval_env.action_repeat
+    if resume_from is None and cfg.train.updates_per_step > 0 and cfg.train.env_frames <= seed_frames:
+        eval_env.close()
+        raise ConfigError(f"train.env_frames={cfg.train.env_frames} ends within the random seed phase "
+                          f"(train.seed_steps={cfg.train.seed_steps} x action repeat {eval_env.action_repeat} "
+                          f"= {seed_frames} frames), so no update would run; raise train.env_frames or lower "
+                          "train.seed_steps")
     rank_seed = cfg.seed + 1000 * rank
     seeds = [rank_seed + i for i in range(cfg.env.num_envs)]
     env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1, **env_kwargs)

@@ -54,6 +54,8 @@ def test_tiny_run_writes_logs_config_and_checkpoints(tmp_path):
     (["task=cheeta_run"], "unknown task 'cheeta_run' (did you mean 'cheetah_run'?)"),
     (["precision=fp64"], "unknown precision"),
     (["trainer.accelerator=tpu-nope"], "invalid trainer settings"),
+    (["task=cartpole_swingup", "train.env_frames=320", "train.seed_steps=40"], "train.env_frames=320 ends within the random seed phase (train.seed_steps=40 x action "
+                              "repeat 8 = 320 frames), so no update would run"),
 ])
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, message):
     result = run_cli(*args, "run_dir=out", cwd=tmp_path)
