@@ -473,11 +473,12 @@ def make_plan(argv: list[str]) -> Plan:
                             continue  # a graph cannot hold a step that reads the device
                         for source in sources:
                             for mode in modes:
-                                speed = [] if sync_free is None else [
-                                    f"perf.sync_free={str(sync_free).lower()}",
-                                    f"perf.aug_backend={'index' if sync_free else 'kornia'}"]
+                                sync = True if graphs else sync_free  # a graph needs the sync-free step
+                                speed = [] if sync is None else [
+                                    f"perf.sync_free={str(sync).lower()}",
+                                    f"perf.aug_backend={'index' if sync else 'kornia'}"]
                                 if graphs:
-                                    speed += ["perf.cuda_graphs=true", "perf.sync_free=true", "perf.aug_backend=index"]
+                                    speed.append("perf.cuda_graphs=true")
                                 cell_overrides = [*overrides, *mode.overrides, *speed, f"agent.batch_size={batch_size}"]
                                 cell_cfg = load_config(cell_overrides)  # a mode clashing with the overrides fails now
                                 if graphs:

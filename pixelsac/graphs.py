@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-#: what capture cannot include, as (condition, reason)
-_NEEDS = "perf.cuda_graphs needs"
+_NEEDS = "perf.cuda_graphs needs"  # how every conflict message starts
 
 
 def graph_conflicts(cfg: Any, device_type: str, world_size: int) -> str | None:

@@ -204,9 +204,10 @@ class SACModule(L.LightningModule):
 
     @property
     def skipped(self) -> dict[str, int]:
-        """Optimizer steps skipped on overflow, per loss (reads device-side counts: a sync)."""
-        return {name: count + (int(self._skipped_device[name].item()) if name in self._skipped_device else 0)
-                for name, count in self._skipped_host.items()}
+        """Optimizer steps skipped on overflow, per loss (device-side counts: one sync for all)."""
+        names = list(self._skipped_device)
+        on_device = dict(zip(names, torch.stack([self._skipped_device[n] for n in names]).tolist())) if names else {}
+        return {name: count + on_device.get(name, 0) for name, count in self._skipped_host.items()}
 
     def training_step(self, dataloader_iter: Iterator) -> None:
         """One update. Taking the iterator (rather than a batch) turns off Lightning's one-batch

@@ -228,15 +228,14 @@ class PrecisionPolicy:
             # itself (GradScaler would set it on Lightning's wrapper, where Adam never looks) and
             # stepped through the wrapper, so Lightning still counts the step.
             scaler.unscale_(optimizer)
-            found_inf = sum(scaler._found_inf_per_device(optimizer).values())
-            raw.found_inf = found_inf
+            raw.found_inf = sum(scaler._found_inf_per_device(optimizer).values())
             try:
                 optimizer.step()
             finally:
                 del raw.found_inf
         else:
             scaler.step(optimizer)
-            found_inf = sum(scaler._found_inf_per_device(optimizer).values())
+        found_inf = sum(scaler._found_inf_per_device(optimizer).values())
         scaler.update()
         return found_inf == 0
 

@@ -67,8 +67,11 @@ def _hypot_root(grads: list[torch.Tensor], exp_avg_roots: list[torch.Tensor], be
     larger = torch._foreach_maximum(scaled_grads, decayed_roots)
     smaller = torch._foreach_minimum(scaled_grads, decayed_roots)
     del scaled_grads, decayed_roots
-    ratio_denom = _copy(larger)
-    torch._foreach_add_(ratio_denom, eps)
+    if torch.is_tensor(eps):  # a device ε (sync-free loss scaling) would promote a 0-dim fp16 sum
+        ratio_denom = _copy(larger)
+        torch._foreach_add_(ratio_denom, eps)
+    else:
+        ratio_denom = torch._foreach_add(larger, eps)
     torch._foreach_clamp_min_(ratio_denom, tiny)
     ratio = torch._foreach_div(smaller, ratio_denom)
     del smaller, ratio_denom
