@@ -46,6 +46,42 @@ LOSSES = ("critic", "actor", "alpha")
 ACTOR_METRICS = ("actor_loss", "alpha_loss", "entropy")
 
 
+def td_target(reward: torch.Tensor, not_terminal: torch.Tensor, target_v: torch.Tensor,
+              discount: float) -> torch.Tensor:
+    """``r + γ·(1 - terminal)·V̄``, with γ kept a Python float in every dtype.
+
+    Written as ``not_terminal * γ`` first, an fp16 run multiplies by γ rounded to fp16
+    (0.99 -> 0.990234375, the authors' code does the same), so fp16 and fp32 runs would not
+    bootstrap with the same discount. ``addcmul`` evaluates ``r + γ·(1-d)·V̄`` in one op with γ in
+    its float32 arithmetic and rounds once: in fp16 and bf16 it equals float64's value rounded to
+    the dtype (measured; ``torch.add(..., alpha=γ)`` rounds γ to the dtype first, and
+    ``r + γ·x`` rounds twice).
+    """
+    return torch.addcmul(reward, not_terminal, target_v, value=discount)
+
+
+def _convert_target_keys(module: "SACModule", state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Let a checkpoint with a stored target critic (``critic_target.*``, every checkpoint before
+    ``lowp.derived_target``) load into a module that derives it, and the other way round.
+
+    The stored copy is redundant: it equals ``θ̄_S / K`` after any target update and the critic
+    itself before the first one, which is how both directions tell the two apart."""
+    stored_prefix, critic_prefix = prefix + "critic_target.", prefix + "critic."
+    applied_key = prefix + "target_updater.updates_applied"
+    stored = {k[len(stored_prefix):]: k for k in state_dict if k.startswith(stored_prefix)}
+    updater = module.target_updater
+    if updater.derived_target and stored:
+        fresh = all(torch.equal(state_dict[key], state_dict[critic_prefix + name]) for name, key in stored.items())
+        for key in stored.values():
+            del state_dict[key]
+        state_dict.setdefault(applied_key, torch.tensor(0 if fresh else 1, dtype=torch.int64))
+    elif not updater.derived_target and applied_key in state_dict and not stored:
+        fresh = int(state_dict.pop(applied_key)) == 0
+        for name in updater.param_names:
+            scaled = state_dict[prefix + "target_updater.scaled_params." + name.replace(".", "__")]
+            state_dict[stored_prefix + name] = state_dict[critic_prefix + name] if fresh else scaled / updater.scale
+
+
 class SACModule(L.LightningModule):
     """Actor, double-Q critic (owning the conv trunk), target critic and temperature.
 
@@ -63,10 +99,13 @@ class SACModule(L.LightningModule):
         self.precision_policy = PrecisionPolicy.from_config(self.cfg, "cpu")  # re-resolved for the device in setup()
 
         self.actor, self.critic = build_networks(self.obs_shape, self.action_dim, agent)
-        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        # lowp.derived_target: θ̄ is computed from Kahan-momentum's ×K copy when used, not stored
+        stored = not self.precision_policy.derived_target
+        self.critic_target = copy.deepcopy(self.critic).requires_grad_(False) if stored else None
         self.log_alpha = nn.Parameter(torch.tensor(math.log(agent.init_temperature)))
         self.precision_policy.cast_module(self)
         self.target_updater = self.precision_policy.make_target_updater(self.critic, self.critic_target)
+        self.register_load_state_dict_pre_hook(_convert_target_keys)
         pixels = len(self.obs_shape) == 3
         self.augment = RandomShift(self.obs_shape[-1], agent.aug_pad if pixels else 0)
         self.target_entropy = -float(self.action_dim)
@@ -98,9 +137,12 @@ class SACModule(L.LightningModule):
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         agent = self.cfg.agent
         betas = (agent.beta1, agent.beta2)
-        critic_opt = self.precision_policy.make_optimizer(self.critic.parameters(), agent.lr, betas, kahan=True)
-        actor_opt = self.precision_policy.make_optimizer(self.actor.parameters(), agent.lr, betas, kahan=False)
-        alpha_opt = self.precision_policy.make_optimizer([self.log_alpha], agent.lr, betas, kahan=True)
+        make = self.precision_policy.make_optimizer
+        seed = 3 * int(self.cfg.seed)  # one rounding stream per optimizer, equal on every rank
+        critic_opt = make(self.critic.parameters(), agent.lr, betas, kahan=True, seed=seed)
+        actor_opt = make(self.actor.parameters(), agent.lr, betas, kahan=False, seed=seed + 1)
+        alpha_opt = make([self.log_alpha], agent.lr, betas, kahan=True, seed=seed + 2)
+        self._optimizers_by_loss = dict(zip(LOSSES, (critic_opt, actor_opt, alpha_opt)))  # for the health check
         return [critic_opt, actor_opt, alpha_opt]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -156,10 +198,10 @@ class SACModule(L.LightningModule):
             dist = self._dist(self.critic.trunk(next_aug))
             next_action = dist.rsample()
             log_prob = dist.log_prob(next_action).sum(-1, keepdim=True)
-            target_q1, target_q2 = self.critic_target(next_aug, next_action)
+            target_q1, target_q2 = self.target_updater(next_aug, next_action)
             target_v = torch.min(target_q1, target_q2) - self.alpha.detach() * log_prob
             target_v = target_v.view(k, batch, 1).mean(0)
-            target_q = reward + not_terminal * agent.discount * target_v
+            target_q = td_target(reward, not_terminal, target_v, agent.discount)
         q1, q2 = self.critic(self.augment.copies(obs, m), action.repeat(m, 1))
         target_rep = target_q.repeat(m, 1)
         # DrQ sums the per-copy mean squared errors over the M augmented copies
@@ -168,7 +210,8 @@ class SACModule(L.LightningModule):
 
     def actor_and_alpha_loss(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         obs_aug = self.augment(obs)
-        trunk_features = self.critic.trunk(obs_aug).detach()
+        with torch.no_grad():  # the actor does not train the convolutions: build no graph for them
+            trunk_features = self.critic.trunk(obs_aug)
         dist = self._dist(trunk_features)
         action = dist.rsample()
         log_prob = dist.log_prob(action).sum(-1, keepdim=True)
@@ -265,11 +308,23 @@ class SACModule(L.LightningModule):
 
     # --- numerical health ---------------------------------------------------------------------
     def _groups(self) -> dict[str, list[torch.Tensor]]:
-        return {"critic": list(self.critic.parameters()), "actor": list(self.actor.parameters()),
-                "temperature": [self.log_alpha], "target critic": list(self.critic_target.parameters())}
+        groups = {"critic": list(self.critic.parameters()), "actor": list(self.actor.parameters()),
+                  "temperature": [self.log_alpha], "target critic": self.target_updater.target_parameters()}
+        # Optimizer state by loss and kind (exp_avg, exp_avg_root, kahan_comp, ...): an inf root
+        # moment leaves the weights finite while no step can move them again, so it must stop
+        # the run as loudly as a NaN weight (and keep it out of any checkpoint).
+        for loss, optimizer in getattr(self, "_optimizers_by_loss", {}).items():
+            by_kind: dict[str, list[torch.Tensor]] = {}
+            for state in optimizer.state.values():
+                for kind, value in state.items():
+                    if kind != "step" and torch.is_tensor(value) and value.is_floating_point():
+                        by_kind.setdefault(kind, []).append(value)
+            groups.update({f"{loss} optimizer {kind}": tensors for kind, tensors in by_kind.items()})
+        return groups
 
     def nonfinite_weight_groups(self) -> list[str]:
-        """Names of the weight groups holding a NaN or inf (one host synchronisation for all)."""
+        """Names of the weight and optimizer-state groups holding a NaN or inf (one host
+        synchronisation for all), e.g. ``critic`` or ``critic optimizer exp_avg_root``."""
         groups = self._groups()
         finite = torch.stack([torch.stack([p.isfinite().all() for p in ps]).all() for ps in groups.values()])
         return [name for name, ok in zip(groups, finite.tolist()) if not ok]
@@ -278,7 +333,8 @@ class SACModule(L.LightningModule):
         return not self.nonfinite_weight_groups()
 
     def check_health(self, metrics: dict[str, torch.Tensor]) -> None:
-        """Stop (raise :class:`NumericalFailure`) on non-finite weights or a collapsed loss scale.
+        """Stop (raise :class:`NumericalFailure`) on non-finite weights or optimizer state, or a
+        collapsed loss scale.
 
         Runs at the logging interval, where the host synchronises anyway; never continue on NaNs.
         """
@@ -292,7 +348,10 @@ class SACModule(L.LightningModule):
         bad = self.nonfinite_weight_groups()
         if bad:
             losses = ", ".join(f"{k}={float(v):.4g}" for k, v in metrics.items() if k.endswith("loss"))
-            raise NumericalFailure(f"non-finite {' and '.join(bad)} weights after update {self.updates} "
+            weights = [name for name in bad if " optimizer " not in name]
+            states = [name for name in bad if " optimizer " in name]
+            what = " and ".join([f"{' and '.join(weights)} weights"] * bool(weights) + states)
+            raise NumericalFailure(f"non-finite {what} after update {self.updates} "
                                    f"(losses {losses}; loss scales {scales_text})", weights_finite=False)
         floor = self.cfg.safety.min_loss_scale
         for name, scaler in self.scalers.items():

@@ -15,6 +15,21 @@ amp      float32       autocast to fp16 + one torch GradScaler per optimizer (st
 In the pure low-precision modes every parameter, target copy, ``log_alpha`` and optimizer state
 tensor has the parameter dtype.
 
+``lowp.unbiased_moments`` (on by default in fp16 and bf16; beyond the paper) makes hAdam compute
+each step in float32 from the 16-bit state and round the root moment stochastically, so the
+optimizer tracks float64 Adam instead of taking 1.3-1.55x too large steps (see
+``lowp/hadam.py``); ``lowp.unbiased_moments=false`` is the published six. ``lowp.all`` sets the
+six only. It acts inside hAdam, so it does nothing where ``lowp.hadam`` is off.
+
+Two memory savings, each its own switch (state bytes: ``python -m pixelsac.bench``):
+``lowp.derived_target`` (on by default in fp16/bf16 where Kahan-momentum runs) does not store the
+target critic but computes it from the ×K copy when used -- bitwise the same updates;
+``lowp.stochastic_weights`` (on by default in fp16, off in bf16) realises Kahan-gradients by the
+unbiased step's stochastic rounding of the weight instead of a compensation buffer -- sub-ulp
+steps still add up, on average rather than exactly (measured on critic weights over 3,000 steps:
+displacement ÷ float64 1.000 ± 0.012 against Kahan's ± 0.004; in bf16 ± 0.07 against ± 0.02, so
+bf16 keeps the buffer).
+
 ``perf.sync_free`` (default: on for CUDA) keeps every decision of an update on the device: hAdam
 capturable with device-side skips and loss scales (fp16 + six, bf16), fused torch Adam (fp32,
 AMP, where GradScaler then needs no host read either), the target's ``K·θ`` check deferred to the
@@ -87,6 +102,9 @@ class PrecisionPolicy:
     adam_eps: float = 1e-8
     target_scale: float = 1e4
     sync_free: bool = False
+    unbiased_moments: bool = False
+    stochastic_weights: bool = False
+    derived_target: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any, device_type: str) -> PrecisionPolicy:
@@ -102,6 +120,16 @@ class PrecisionPolicy:
         fp32_accumulate = cfg.lowp.fp32_accumulate
         if fp32_accumulate is None:
             fp32_accumulate = low and device_type == "cpu"
+        unbiased_moments = cfg.lowp.get("unbiased_moments")
+        if unbiased_moments is None:
+            unbiased_moments = low
+        unbiased_moments = bool(unbiased_moments) and low
+        stochastic_weights = cfg.lowp.get("stochastic_weights")
+        if stochastic_weights is None:  # bf16's 8 bits: SR spreads 3x wider than Kahan there (measured)
+            stochastic_weights = mode == "fp16"
+        derived_target = cfg.lowp.get("derived_target")
+        if derived_target is None:
+            derived_target = low
         sync_free = cfg.perf.get("sync_free")
         if sync_free is None:
             sync_free = device_type == "cuda"
@@ -114,6 +142,10 @@ class PrecisionPolicy:
             adam_eps=cfg.lowp.adam_eps_scaled if switches["loss_scaling"] else cfg.agent.adam_eps,
             target_scale=cfg.lowp.target_scale,
             sync_free=bool(sync_free),
+            unbiased_moments=unbiased_moments,
+            # stochastic rounding replaces a Kahan buffer only where the unbiased hAdam step writes
+            stochastic_weights=bool(stochastic_weights) and unbiased_moments and switches["hadam"],
+            derived_target=bool(derived_target) and switches["kahan_momentum"],
             **switches,
         )
 
@@ -144,13 +176,17 @@ class PrecisionPolicy:
 
     # --- builders -----------------------------------------------------------------------------
     def make_optimizer(self, params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float],
-                       kahan: bool) -> torch.optim.Optimizer:
+                       kahan: bool, seed: int = 0) -> torch.optim.Optimizer:
         """hAdam or torch Adam; ``kahan`` asks for the compensated update (critic and alpha only,
-        as the authors ran it) and takes effect when ``lowp.kahan_gradients`` is on."""
+        as the authors ran it) and takes effect when ``lowp.kahan_gradients`` is on. ``seed``
+        picks hAdam's stochastic-rounding stream (``lowp.unbiased_moments``); the same on every
+        data-parallel rank, so replicas round alike."""
         use_kahan = kahan and self.kahan_gradients
+        if self.hadam and use_kahan and self.stochastic_weights:
+            use_kahan = False  # the unbiased step then writes the weight with stochastic rounding
         if self.hadam:
             return lowp.HAdam(params, lr=lr, betas=betas, eps=self.adam_eps, kahan=use_kahan,
-                              capturable=self.sync_free)
+                              capturable=self.sync_free, unbiased_moments=self.unbiased_moments, seed=seed)
         if use_kahan:
             return lowp.KahanAdam(params, lr=lr, betas=betas, eps=self.adam_eps)
         # torch's capturable Adam (step counts read on the device, graph-safe) exists for CUDA only;
@@ -172,10 +208,11 @@ class PrecisionPolicy:
             return torch.amp.GradScaler(self.device_type)
         return None
 
-    def make_target_updater(self, source: nn.Module, target: nn.Module) -> lowp.KahanEMA:
-        """Soft target update: Kahan-momentum with the xK scaled copy, or the plain EMA."""
+    def make_target_updater(self, source: nn.Module, target: nn.Module | None) -> lowp.KahanEMA:
+        """Soft target update: Kahan-momentum with the xK scaled copy, or the plain EMA; with
+        ``derived_target`` the target is computed from the xK copy when used (``target`` None)."""
         return lowp.KahanEMA(source, target, scale=self.target_scale, compensated=self.kahan_momentum,
-                             check_every_update=not self.sync_free)
+                             check_every_update=not self.sync_free, derived_target=self.derived_target)
 
     def distribution(self, mu: torch.Tensor, log_std: torch.Tensor) -> lowp.SquashedNormal:
         """The tanh-squashed Gaussian policy.
@@ -241,6 +278,12 @@ class PrecisionPolicy:
 
     def describe(self) -> str:
         on = [name for name in SIX if getattr(self, name)]
+        if self.unbiased_moments and self.hadam:
+            on.append("unbiased_moments")
+        if self.stochastic_weights and self.kahan_gradients:
+            on[on.index("kahan_gradients")] = "kahan_gradients (as stochastic rounding)"
+        if self.derived_target:
+            on.append("derived_target")
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""
         mods = f"; modifications: {', '.join(on) if on else 'none'}" if self.mode != "amp" else "; torch autocast + GradScaler"
         return f"precision {self.mode}: parameters {str(self.param_dtype).removeprefix('torch.')}{mods}{extra}"

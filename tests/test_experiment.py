@@ -163,7 +163,7 @@ def test_value_at_interpolates_and_tolerates_action_repeat_rounding():
 def test_modes_and_commands(tmp_path):
     assert experiment.parse_modes("main") == ["fp32", "fp16", "fp16-naive"]
     every = experiment.parse_modes("all")
-    assert len(every) == 10 and "amp" in every and "fp16-no-kahan_momentum" in every and "bf16" not in every
+    assert len(every) == 11 and "amp" in every and "fp16-six" in every and "fp16-no-kahan_momentum" in every and "bf16" not in every
     assert experiment.MODES["fp16-no-hadam"] == ["precision=fp16", "lowp.hadam=false"]
     specs = experiment.build_grid(["cartpole_swingup"], ["fp16-naive"], [4], "state",
                                   ["preset=state", "train.env_frames=3000"], tmp_path)

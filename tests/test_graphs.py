@@ -15,7 +15,7 @@ import torch
 
 from pixelsac.config import load_config
 from pixelsac.graphs import UpdateGraphs, graph_conflicts
-from test_module import fit, make_batch, make_module
+from test_module import fit, make_batch, make_module, mode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,15 +42,15 @@ class ReplayByCalling:
 SYNC_FREE = ["perf.sync_free=true", "perf.aug_backend=index", "lowp.growth_interval=3", "train.log_every_updates=5"]
 
 
-@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+@pytest.mark.parametrize("precision", ["fp16", "fp16-six", "fp32"])
 def test_replayed_updates_equal_eager_updates(precision):
     batches = [make_batch(seed=i) for i in range(14)]
     torch.manual_seed(0)
-    eager = make_module(f"precision={precision}", *SYNC_FREE)
+    eager = make_module(*mode(precision), *SYNC_FREE)
     fit(eager, batches)
 
     torch.manual_seed(0)
-    graphed = make_module(f"precision={precision}", *SYNC_FREE)
+    graphed = make_module(*mode(precision), *SYNC_FREE)
     runner = ReplayByCalling()
     graphed.update_graphs = UpdateGraphs(graphed, warmup_updates=2, runner=runner)
     fit(graphed, batches)
@@ -61,7 +61,7 @@ def test_replayed_updates_equal_eager_updates(precision):
         assert torch.equal(a, b), name
     assert graphed.skipped == eager.skipped and graphed.updates == eager.updates == 14
     assert graphed.loss_scales() == eager.loss_scales()
-    if precision == "fp16":  # growth_interval 3: the host-side counting after replays grew the scales
+    if precision.startswith("fp16"):  # growth_interval 3: the host-side counting after replays grew the scales
         assert graphed.loss_scales()["critic"] > 1e4, graphed.loss_scales()
         for name in ("critic", "actor", "alpha"):
             assert graphed.scalers[name].state_dict() == eager.scalers[name].state_dict()

@@ -199,3 +199,37 @@ def test_state_dict_round_trip_restores_buffers_bitwise():
     for (name, a), (_, b) in zip(original.state_dict().items(), restored.state_dict().items()):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
+
+
+# ------------------------------------------------------------------ derived target (memory)
+def test_a_derived_target_runs_bitwise_like_the_stored_copy():
+    gen = torch.Generator().manual_seed(3)
+    start = (0.05 * torch.randn(8, generator=gen, dtype=F64)).to(F16)
+    source_a, target_a = make_pair(start)
+    source_b, _ = make_pair(start)
+    stored = KahanEMA(source_a, target_a, scale=K)
+    derived = KahanEMA(source_b, None, scale=K, derived_target=True)
+    assert derived.target is None and "updates_applied" in dict(derived.named_buffers())
+    x = torch.randn(3, 8, generator=gen).to(F16)
+    assert torch.equal(stored(x), derived(x))  # before any update: θ̄ = θ exactly
+    for step in range(50):
+        change = (1e-4 * torch.randn(8, generator=gen, dtype=F64)).to(F16)
+        with torch.no_grad():
+            source_a.weight.add_(change)
+            source_b.weight.add_(change)
+        stored.update_(TAU)
+        derived.update_(TAU)
+        assert torch.equal(stored(x), derived(x)), step
+    assert torch.equal(derived.target_parameters()[0], target_a.weight)
+    # a derived state round-trips, "updated" flag included
+    restored = KahanEMA(make_pair(start)[0], None, scale=K, derived_target=True)
+    restored.load_state_dict(derived.state_dict())
+    assert torch.equal(restored.target_parameters()[0], target_a.weight)
+
+
+def test_derived_target_needs_the_scaled_copy():
+    source, _ = make_pair(torch.zeros(4, dtype=F16))
+    with pytest.raises(ValueError, match="derived_target needs compensated"):
+        KahanEMA(source, None, compensated=False, derived_target=True)
+    with pytest.raises(ValueError, match="target network is needed"):
+        KahanEMA(source, None)

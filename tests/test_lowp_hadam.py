@@ -254,7 +254,8 @@ def test_zero_gradient_with_eps_that_rounds_to_zero_in_fp16_gives_no_nan():
 
 
 # ---------------------------------------------------------------------------- checkpointing
-def test_hadam_state_dict_round_trip_is_bitwise():
+@pytest.mark.parametrize("unbiased", [False, True], ids=["published", "unbiased"])
+def test_hadam_state_dict_round_trip_is_bitwise(unbiased):
     gen = torch.Generator().manual_seed(3)
     grads = [[torch.randn(4, 3, generator=gen).half(), torch.randn(3, generator=gen).half()]
              for _ in range(20)]
@@ -262,7 +263,7 @@ def test_hadam_state_dict_round_trip_is_bitwise():
 
     def make(params):
         return HAdam([{"params": params[:1], "kahan": True}, {"params": params[1:]}],
-                     lr=1e-3, eps=1e-4)
+                     lr=1e-3, eps=1e-4, unbiased_moments=unbiased, seed=4)
 
     params = [p.clone().requires_grad_() for p in init]
     opt = make(params)

@@ -97,6 +97,9 @@ def test_no_growth_when_the_grown_state_would_overflow():
     scaler.step(opt)
     # 2.2·30000 overflows fp16 although 2·30000 would not: the paper's margin.
     opt.state[param]["exp_avg_root"].fill_(30000.0)
+    # late in a run, so that the bias-corrected denominator (s / sqrt(1 - β2^t)) fits fp16 too;
+    # at t = 2 it would be 22x s and the step itself would overflow (see the freeze tests)
+    opt.state[param]["step"] = 10_000
     assert opt.state_is_finite_after(2.0) and not opt.state_is_finite_after(2.2)
     backward_scaled(scaler, param, x=1.0)
     assert scaler.step(opt)
@@ -125,9 +128,11 @@ def test_reduce_found_inf_is_always_called_and_its_answer_decides():
         flag.zero_()
 
     param.grad = torch.full((3,), float("nan"), dtype=F16)
-    # Every rank participates even on a local overflow; here the "reduction" clears it.
-    assert scaler.step(opt, reduce_found_inf=in_place_all_reduce) is True
+    # Every rank participates even on a local overflow; here the "reduction" clears it, so the
+    # optimizer is asked to step -- and refuses the NaN state those gradients would write.
+    assert scaler.step(opt, reduce_found_inf=in_place_all_reduce) is False
     assert seen[-1].item() == 1.0
+    assert opt.state_overflow is True and torch.equal(param.detach(), before)
 
 
 def test_scaler_with_plain_torch_adam_scales_second_moment_quadratically():

@@ -64,11 +64,12 @@ def _state_copy(opt: HAdam, params: list[torch.Tensor]) -> list[dict]:
     return [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()} for p in params]
 
 
+@pytest.mark.parametrize("unbiased", [False, True], ids=["published", "unbiased"])
 @pytest.mark.parametrize("kahan", [False, True])
-def test_capturable_hadam_follows_the_host_path_and_a_float64_reference(kahan):
+def test_capturable_hadam_follows_the_host_path_and_a_float64_reference(kahan, unbiased):
     host_p, dev_p, ref_p = _params(F16), _params(F16), _params(F64)
-    host = HAdam(host_p, lr=1e-3, eps=1e-4, kahan=kahan)
-    dev = HAdam(dev_p, lr=1e-3, eps=1e-4, kahan=kahan, capturable=True)
+    host = HAdam(host_p, lr=1e-3, eps=1e-4, kahan=kahan, unbiased_moments=unbiased)
+    dev = HAdam(dev_p, lr=1e-3, eps=1e-4, kahan=kahan, capturable=True, unbiased_moments=unbiased)
     ref = HAdam(ref_p, lr=1e-3, eps=1e-4)
     for step in range(200):
         for opt, ps in ((host, host_p), (dev, dev_p), (ref, ref_p)):
@@ -86,10 +87,11 @@ def test_capturable_hadam_follows_the_host_path_and_a_float64_reference(kahan):
         torch.testing.assert_close(d.detach().double(), h.detach().double(), rtol=0, atol=4e-3)
 
 
+@pytest.mark.parametrize("unbiased", [False, True], ids=["published", "unbiased"])
 @pytest.mark.parametrize("kahan", [False, True])
-def test_device_side_skip_leaves_every_tensor_bit_exactly_unchanged(kahan):
+def test_device_side_skip_leaves_every_tensor_bit_exactly_unchanged(kahan, unbiased):
     params = _params(F16)
-    opt = HAdam(params, lr=1e-3, eps=1e-4, kahan=kahan, capturable=True)
+    opt = HAdam(params, lr=1e-3, eps=1e-4, kahan=kahan, capturable=True, unbiased_moments=unbiased)
     for step in range(5):
         for p, g in zip(params, _grads(step, params)):
             p.grad = g
@@ -191,9 +193,10 @@ def test_sync_free_scaler_takes_the_host_decisions_step_for_step():
         torch.testing.assert_close(d.detach().float(), h.detach().float(), rtol=0, atol=2e-3)
 
 
-def test_sync_free_scaler_reads_the_host_only_at_growth_checks():
+@pytest.mark.parametrize("unbiased", [False, True], ids=["published", "unbiased"])
+def test_sync_free_scaler_reads_the_host_only_at_growth_checks(unbiased):
     params = _params(F16)
-    opt = HAdam(params, lr=1e-3, eps=1e-4, capturable=True)
+    opt = HAdam(params, lr=1e-3, eps=1e-4, capturable=True, unbiased_moments=unbiased)
     scaler = CompoundLossScaler(init_scale=1024.0, growth_interval=10, sync_free=True)
     reads_per_step = []
     for step in range(30):

@@ -61,6 +61,9 @@ def test_one_update_fp16_six_matches_fp32():
     assert m16.skipped == {"critic": 0, "actor": 0, "alpha": 0}
     comps = _kahan_comps(t16)
     params16 = dict(m16.named_parameters())
+    # fp16 derives its target critic (lowp.derived_target): compare fp32's stored copy with it
+    updater = m16.target_updater
+    params16.update({f"critic_target.{n}": t for n, t in zip(updater.param_names, updater.target_parameters())})
     within, total = 0, 0
     for name, p32 in m32.named_parameters():
         p16 = params16[name]
@@ -119,17 +122,58 @@ def test_checkpoint_round_trip_restores_scalers_optimizer_and_target_states(tmp_
 
 
 def test_pure_fp16_state_of_the_full_drq_agent_vs_fp32():
-    """Full-size DrQ agent (84x84 pixels, 6-D actions). Parameters + optimizer state: ≤ 0.6x of
-    fp32 (hAdam's two moments and the critic's Kahan buffer in fp16 against Adam's two fp32
-    moments). With the target copies (the target critic, plus Kahan-momentum's scaled copy and
-    compensation buffer) the ratio is higher; the bound below pins the measured layout."""
+    """Full-size DrQ agent (84x84 pixels, 6-D actions): parameters + optimizer state + target
+    copies of the default fp16 mode ≤ 0.60x fp32 (measured 57.7 vs 99.4 MiB = 0.581). Bytes per
+    critic parameter: fp32 16 (p, m, v, target); fp16 10 (p, m, s, the ×K target copy and its
+    Kahan buffer: the target is derived, Kahan-gradients are stochastic rounding). Each saving
+    is a switch, and without both the published layout is back at 0.74."""
     sizes = {}
-    for precision in ("fp32", "fp16"):
-        module = SACModule(to_plain(load_config([f"precision={precision}"])), (9, 84, 84), 6)
+    for overrides in (["precision=fp32"], ["precision=fp16"],
+                      ["precision=fp16", "lowp.derived_target=false", "lowp.stochastic_weights=false"]):
+        module = SACModule(to_plain(load_config(overrides)), (9, 84, 84), 6)
         optimizers = module.configure_optimizers()
         materialize_optimizer_state(optimizers)
-        sizes[precision] = state_bytes(module, optimizers)
-    learner = {p: sizes[p]["parameters"] + sizes[p]["optimizer"] for p in sizes}
-    assert learner["fp16"] <= 0.6 * learner["fp32"], sizes
-    assert sizes["fp16"]["total"] <= 0.75 * sizes["fp32"]["total"], sizes
-    print(sizes)
+        sizes[" ".join(overrides)] = state_bytes(module, optimizers)
+    fp32, fp16, published = (sizes[k]["total"] for k in sizes)
+    assert fp16 <= 0.60 * fp32, sizes
+    assert published > 0.70 * fp32, sizes  # the bound can fail: the savings are what meets it
+    critic = 4_208_504  # parameters of DrQ's critic (trunk included) at 84x84, 6-D actions
+    assert published - fp16 == 2 * 2 * critic  # exactly the two fp16 tensors the switches drop
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_derived_target_gives_bitwise_the_same_updates_as_the_stored_one(precision):
+    runs = {}
+    for derived in (False, True):
+        torch.manual_seed(0)
+        module = make_module(f"precision={precision}", f"lowp.derived_target={str(derived).lower()}")
+        torch.manual_seed(1)
+        fit(module, [make_batch(seed=i) for i in range(5)])
+        runs[derived] = module
+    stored, derived = runs[False], runs[True]
+    assert stored.critic_target is not None and derived.critic_target is None
+    for (name, a), b in zip(stored.named_parameters(), derived.parameters()):
+        assert torch.equal(a, b), name
+    for a, b in zip(stored.critic_target.parameters(), derived.target_updater.target_parameters()):
+        assert torch.equal(a, b)
+    assert float(stored.metrics["target_q"]) == float(derived.metrics["target_q"])
+
+
+@pytest.mark.parametrize("updates", [0, 3])
+def test_checkpoints_convert_between_a_stored_and_a_derived_target(updates):
+    """Checkpoints written before lowp.derived_target hold critic_target.*; they load into a
+    module that derives the target (and the other way round), with the same target."""
+    torch.manual_seed(0)
+    stored = make_module("precision=fp16", "lowp.derived_target=false")
+    fit(stored, [make_batch(seed=i) for i in range(updates)])
+    state = stored.state_dict()
+    assert any(k.startswith("critic_target.") for k in state)
+    derived = make_module("precision=fp16")
+    derived.load_state_dict(state)  # strict
+    x = (make_batch()["next_obs"].to(torch.float16), torch.zeros(4, 2, dtype=torch.float16))
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(stored.target_updater(*x), derived.target_updater(*x)))
+    back = make_module("precision=fp16", "lowp.derived_target=false")
+    back.load_state_dict(derived.state_dict())
+    for a, b in zip(stored.critic_target.parameters(), back.critic_target.parameters()):
+        assert torch.equal(a, b)

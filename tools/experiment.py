@@ -8,8 +8,10 @@
 
 Each run is ``python -m pixelsac.train`` in ``OUT/<task>/<mode>/s<seed>`` (log: ``train.log``
 there), with ``train.num_threads=1`` unless overridden. Modes: fp32, fp16 (all six
-modifications), fp16-naive (``lowp.all=false``), amp, bf16, and fp16-no-<switch> for each of the
-six; ``main`` = fp32,fp16,fp16-naive; ``all`` = main + amp + the six ablations.
+modifications and unbiased optimizer moments, the default), fp16-six and bf16-six (the published
+six alone, ``lowp.unbiased_moments=false``), fp16-naive (``lowp.all=false``), amp, bf16, and
+fp16-no-<switch> for each of the six; ``main`` = fp32,fp16,fp16-naive; ``all`` = main + fp16-six +
+amp + the six ablations.
 
 Running the same command again resumes the grid: a run whose last.ckpt reached the budget is
 skipped, one short of it is continued with ``resume=RUN_DIR`` (so raising ``train.env_frames``
@@ -55,10 +57,12 @@ MODES: dict[str, list[str]] = {
     "fp16-naive": ["precision=fp16", "lowp.all=false"],
     "amp": ["precision=amp"],
     "bf16": ["precision=bf16"],
+    "fp16-six": ["precision=fp16", "lowp.unbiased_moments=false"],
+    "bf16-six": ["precision=bf16", "lowp.unbiased_moments=false"],
     **{f"fp16-no-{s}": ["precision=fp16", f"lowp.{s}=false"] for s in SWITCHES},
 }
 MAIN = ["fp32", "fp16", "fp16-naive"]
-ALL = [*MAIN, "amp", *(f"fp16-no-{s}" for s in SWITCHES)]
+ALL = [*MAIN, "fp16-six", "amp", *(f"fp16-no-{s}" for s in SWITCHES)]
 #: keys the grid itself sets for every run; an override of them would break the layout
 RESERVED = ("task", "seed", "precision", "run_dir", "resume", "overwrite", "env.obs")
 EXIT_BAD_INPUT, EXIT_NUMERICAL_FAILURE = 2, 3

@@ -10,6 +10,8 @@ torch:
 * :class:`KahanEMA` — Kahan-momentum for the target network.
 * :class:`SquashedNormal` — tanh-Gaussian with the softplus-fix and normal-fix.
 * :func:`fp32_accumulate` — CPU emulation of fp16 tensor-core matmuls/convolutions.
+* :func:`stochastic_round` — deterministic, unbiased rounding from float32 into fp16/bf16
+  (hAdam's ``unbiased_moments``, beyond the paper).
 """
 
 from .distributions import SquashedNormal, gaussian_log_prob, stable_softplus, tanh_log_abs_det_jacobian
@@ -18,6 +20,7 @@ from .emulate import fp32_accumulate
 from .hadam import HAdam
 from .kahan import kahan_add_
 from .kahan_adam import KahanAdam
+from .rounding import stochastic_round
 from .scaler import (
     CompoundLossScaler,
     LossScale,
@@ -39,4 +42,5 @@ __all__ = [
     "tanh_log_abs_det_jacobian",
     "fp32_accumulate",
     "kahan_add_",
+    "stochastic_round",
 ]

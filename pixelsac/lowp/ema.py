@@ -14,6 +14,17 @@ plus a Kahan buffer ``c``, all in the parameter dtype::
 
 Scaling by K moves the increments out of the subnormal range; the Kahan buffer keeps what
 still falls below an ulp of ``θ̄_S``. Constraint: ``|K·θ| < 65504`` in fp16, i.e. ``|θ| < 6.55``.
+
+Derived target (``derived_target=True``; a memory saving beyond the paper): ``θ̄ = θ̄_S / K`` is
+a function of state already kept, so it need not be stored. The target network is then evaluated
+by running the *source* network with the parameters ``θ̄_S / K`` substituted
+(``torch.func.functional_call``), computed when the target is used -- the same division, so the
+same bits as the stored copy -- and freed after the forward pass. This saves one parameter-sized
+tensor (for DrQ's critic, 8 MiB of fp16) at the cost of one elementwise division per use. Until
+the first :meth:`update_` the target is ``θ`` itself (as the stored copy is at init): exact when,
+as in SAC, the first target update follows the first source step before the target is used
+again (a caller that steps the source several times first should call ``update_`` or keep the
+stored copy).
 """
 
 from __future__ import annotations
@@ -22,10 +33,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from .kahan import kahan_add_
 
 __all__ = ["KahanEMA"]
+
+
+def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    """A loaded state says whether θ̄ is still θ (one host read, at load time only)."""
+    module._fresh = int(module.updates_applied) == 0
 
 
 class _BufferBag(nn.Module):
@@ -50,6 +67,9 @@ class KahanEMA(nn.Module):
             each time). False leaves it to the caller's :meth:`check_finite` at a moment when the
             host waits anyway (e.g. logging): an overflowed ``θ̄_S`` stays non-finite, so a
             later check still sees it.
+        derived_target: do not keep ``θ̄``; compute it from ``θ̄_S`` whenever the target runs
+            (module docstring). Needs ``compensated=True``; ``target`` may then be None. Adds the
+            buffer ``updates_applied`` (0 until the first update, then 1).
 
     With ``compensated=True`` the buffers ``scaled_params.<name>`` (θ̄_S) and
     ``kahan_comp.<name>`` (c) are registered on this module, in the parameters' dtype, so they
@@ -70,10 +90,18 @@ class KahanEMA(nn.Module):
         scale: float = 1e4,
         compensated: bool = True,
         check_every_update: bool = True,
+        derived_target: bool = False,
     ) -> None:
         super().__init__()
         if not scale > 0:
             raise ValueError(f"KahanEMA: scale K must be positive, got {scale}")
+        if derived_target and not compensated:
+            raise ValueError("KahanEMA: derived_target needs compensated=True (θ̄ is derived from the scaled copy)")
+        self.derived_target = bool(derived_target)
+        if target is None:
+            if not self.derived_target:
+                raise ValueError("KahanEMA: a target network is needed unless derived_target=True")
+            target = source  # only its structure is used: parameters are names and shapes here
         # A tuple keeps nn.Module from registering them as submodules (no duplicate params).
         self._networks = (source, target)
         self.scale = float(scale)
@@ -99,9 +127,10 @@ class KahanEMA(nn.Module):
                 )
         self.param_names = source_names
 
-        with torch.no_grad():
-            for (_, src), (_, tgt) in zip(source_named, target_named):
-                tgt.copy_(src)
+        if not self.derived_target:
+            with torch.no_grad():
+                for (_, src), (_, tgt) in zip(source_named, target_named):
+                    tgt.copy_(src)
 
         if self.compensated:
             self.scaled_params = _BufferBag()
@@ -116,19 +145,41 @@ class KahanEMA(nn.Module):
                     self.scaled_params.register_buffer(buffer_name, scaled)
                     self.kahan_comp.register_buffer(buffer_name, torch.zeros_like(src))
             self.check_finite()
+        if self.derived_target:
+            # 0 until the first update_ (the target is θ itself then), 1 after; a buffer so that a
+            # checkpoint remembers it, mirrored on the host so that forward never reads the device
+            self.register_buffer("updates_applied", torch.zeros((), dtype=torch.int64))
+            self._fresh = True
+            self.register_load_state_dict_post_hook(_after_load)
 
     @property
     def source(self) -> nn.Module:
         return self._networks[0]
 
     @property
-    def target(self) -> nn.Module:
-        """The averaged network θ̄; its parameter objects are the ones updated in place."""
-        return self._networks[1]
+    def target(self) -> nn.Module | None:
+        """The averaged network θ̄; its parameter objects are the ones updated in place (None
+        with ``derived_target``: nothing holds θ̄ between uses)."""
+        return None if self.derived_target else self._networks[1]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Runs the target network."""
-        return self.target(*args, **kwargs)
+        """Runs the target network θ̄ (derived from ``θ̄_S / K`` when it is not stored)."""
+        if not self.derived_target:
+            return self.target(*args, **kwargs)
+        if self._fresh:
+            return self.source(*args, **kwargs)
+        scaled, _ = self._buffers_in_order()
+        derived = torch._foreach_div(scaled, self.scale)  # the stored copy's very division: the same bits
+        return functional_call(self.source, dict(zip(self.param_names, derived)), args, kwargs)
+
+    def target_parameters(self) -> list[torch.Tensor]:
+        """θ̄ as tensors: the stored target's parameters, or (derived) freshly computed copies."""
+        if not self.derived_target:
+            return list(self.target.parameters())
+        if self._fresh:
+            return [p.detach() for p in self.source.parameters()]
+        scaled, _ = self._buffers_in_order()
+        return list(torch._foreach_div(scaled, self.scale))
 
     def _buffers_in_order(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         names = [_buffer_name(name) for name in self.param_names]
@@ -159,7 +210,7 @@ class KahanEMA(nn.Module):
     def update_(self, tau: float) -> None:
         """``θ̄ <- θ̄ + τ(θ - θ̄)``, Kahan-compensated on the K-scaled copy when enabled."""
         sources = [p for _, p in self.source.named_parameters()]
-        targets = [p for _, p in self.target.named_parameters()]
+        targets = [] if self.derived_target else [p for _, p in self.target.named_parameters()]
         if not self.compensated:
             increments = torch._foreach_sub(sources, targets)
             torch._foreach_mul_(increments, tau)
@@ -173,5 +224,10 @@ class KahanEMA(nn.Module):
         kahan_add_(scaled, updates, comps)
         if self.check_every_update:
             self.check_finite()
+        if self.derived_target:
+            if self._fresh:
+                self.updates_applied.fill_(1)
+                self._fresh = False
+            return
         # θ̄ = θ̄_S / K
         torch._foreach_copy_(targets, torch._foreach_div(scaled, self.scale))

@@ -6,13 +6,18 @@ and ε are kept in "×S" units (hAdam's ``m / (s + ε)`` does not depend on S)::
 
     (loss * S).backward()
     ok = all grads finite                      # checked as isfinite(margin * grad)
-    if ok:  optimizer.step();  clean += 1
+    if ok:  ok = optimizer.step()              # HAdam refuses a step whose new state overflows
+    if ok:  clean += 1
             if clean > growth_interval and the state stays finite at ×(growth_factor·1.1):
                 S *= growth_factor; state *= growth_factor; ε = max(growth_factor·ε, floor)
                 clean = 0
-    else:   # overflow: the step is skipped, the optimizer's step count is not advanced
+    else:   # overflow of a gradient or of the state: the step is skipped, t is not advanced
             S *= backoff_factor; state *= backoff_factor; ε = max(backoff_factor·ε, floor)
             clean = 0
+
+The state check goes beyond the paper: hAdam's root moment reaches ≈3.16·|g|, so it overflows
+fp16 for a scaled gradient past ≈20.7k that is itself finite; counted as taken, such a step would
+move nothing and could leave ``s`` inf for good (see hadam.py). Backing off cures it.
 
 One scaler per loss (critic, actor, alpha). Under data parallelism every rank must take the
 same skip/grow decision, so the found-inf flag can be passed through a caller-supplied
@@ -21,8 +26,8 @@ all-reduce.
 Sync-free mode (``sync_free=True``, with an HAdam built ``capturable=True``): ``S``, the clean
 count and the step counters are 0-dim device tensors and the skip is decided on the device::
 
-    ok = (found_inf == 0);  f = ok ? 1 : backoff_factor
-    optimizer.step(found_inf)            # a no-op on the device when ok = 0
+    optimizer.step(found_inf)            # a no-op on the device when found_inf != 0 or the state overflows
+    ok = (found_inf == 0) and not optimizer.state_overflow;  f = ok ? 1 : backoff_factor
     S *= f;  state *= f;  ε = max(ε·f, floor);  clean = (clean + 1)·ok
 
 Growth needs ``clean > growth_interval``, which cannot happen before ``growth_interval + 1 -
@@ -109,6 +114,19 @@ def optimizer_state_is_finite_after(optimizer: Optimizer, factor: float) -> bool
     if not flags:
         return True
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+
+
+def _state_overflowed(optimizer: Optimizer) -> bool:
+    """Did the last host-side step refuse to write a non-finite state (HAdam's ``state_overflow``)?"""
+    return bool(getattr(optimizer, "state_overflow", False))
+
+
+def _state_overflow_flag(optimizer: Optimizer, device: torch.device) -> torch.Tensor:
+    """The same as a 0-dim bool on ``device``, without a host read when the flag is a tensor."""
+    flag = getattr(optimizer, "state_overflow", False)
+    if torch.is_tensor(flag):
+        return flag.to(device)
+    return torch.tensor(bool(flag), device=device)
 
 
 class LossScale(float):
@@ -280,6 +298,15 @@ class CompoundLossScaler:
             return False
 
         optimizer.step()
+        if _state_overflowed(optimizer):
+            # The gradients were finite but the optimizer state they lead to is not (hAdam's root
+            # moment past the dtype's range): the optimizer did not apply the step, and a smaller
+            # scale is the cure, exactly as for an overflowing gradient.
+            self._scale *= self.backoff_factor
+            rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+            return False
         self.taken_steps += 1
         self.clean_steps += 1
         if self.clean_steps > self.growth_interval and optimizer_state_is_finite_after(
@@ -314,8 +341,8 @@ class CompoundLossScaler:
 
     def _step_on_device(self, optimizer: Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
         counts = self._device_state(found_inf.device)
-        skipped = found_inf > 0
         optimizer.step(found_inf=found_inf)
+        skipped = (found_inf > 0) | _state_overflow_flag(optimizer, found_inf.device)
         factor = torch.where(skipped, self.backoff_factor, 1.0).to(torch.float32)
         counts["scale"].mul_(factor)
         optimizer.rescale_state_(factor, eps_floor=self.eps_floor)
