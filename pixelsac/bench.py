@@ -5,14 +5,25 @@
     python -m pixelsac.bench bench.batch_sizes=128,512 bench.ablations=true bench.updates=500
     python -m pixelsac.bench bench.channels_last=both bench.compile=both bench.modes=fp32,fp16
     python -m pixelsac.bench bench.sync_free=both bench.batch=all bench.modes=fp32,fp16
+    python -m pixelsac.bench agent.batch_size=128 bench.modes=fp32,fp16 bench.emulation_saves=both
 
 Every cell (mode x batch size x speed option) builds the configured agent afresh and times its
 real training step (``SACModule.training_step`` under a Lightning Trainer, no environment) on one
 synthetic batch of the run's shapes: ``bench.warmup`` untimed updates, then the mean and standard
-deviation over ``bench.updates`` timed ones. Reported per cell: ms/update, peak memory, bytes of
-parameters + optimizer state + target copies, and each one's ratio to fp32 at the same batch
+deviation over ``bench.updates`` timed ones. Reported per cell: ms/update, and memory where it
+is spent -- the peak (GPU: ``torch.cuda.max_memory_allocated``; CPU: the fresh process's
+resident-set peak above its baseline), on a CPU also the most tensor bytes alive at once in the
+first (full) update, the bytes autograd saves for backward in that update (counted with
+``saved_tensors_hooks``: exact, the same on any device), and the state (parameters + optimizer
+state + target copies, in total and by group) -- each with its ratio to fp32 at the same batch
 size; also the replay buffer's bytes per transition. Results go to ``bench.out`` as bench.csv,
-bench.md, bench.json and bench.png.
+bench.md (which says what each memory figure counts), bench.json and bench.png.
+
+Time: a CPU cell starts in ~10 s and then takes (warm-up + updates) x the update time. On the
+project's 2-core CPU the full DrQ agent's update takes ~0.9-1 s at batch 128 and ~3.5-4 s at
+batch 512 (fp32 or emulated fp16; several times that while other jobs share the cores), so
+``bench.modes=fp32,fp16`` with the defaults takes ~30-40 s at batch 128 and ~1.5 minutes at 512;
+``bench.emulation_saves=both`` adds a cell and an interleaved run per emulated mode.
 
 Arguments are ``key=value``. Keys other than ``bench.*`` are the training configuration's
 (``conf/config.yaml``: ``agent.*``, ``env.*``, ``lowp.*``, ``task``, ``seed``, ...); each mode
@@ -65,7 +76,12 @@ def _modes() -> dict[str, Mode]:
         Mode("amp", ("precision=amp",), "fp32 parameters, autocast fp16, one GradScaler per optimizer"),
         Mode("bf16", ("precision=bf16",), "pure bf16 (five modifications; bf16 needs no loss scaling)"),
         Mode("fp16-naive", ("precision=fp16", "lowp.all=false"), "pure fp16 without the six (naive fp16)"),
-        Mode("fp16", ("precision=fp16", "lowp.all=true"), "pure fp16 with the six modifications"),
+        Mode("fp16", ("precision=fp16", "lowp.all=true"),
+             "pure fp16 with the six modifications, unbiased moments and the lean state (the default)"),
+        Mode("fp16-six", ("precision=fp16", "lowp.all=true", "lowp.unbiased_moments=false", "lowp.derived_target=false"),
+             "pure fp16 with the six as published (no unbiased moments, stored target)"),
+        Mode("bf16-six", ("precision=bf16", "lowp.unbiased_moments=false", "lowp.derived_target=false"),
+             "pure bf16, the five as published"),
         Mode("fp16-native", ("precision=fp16", "lowp.all=true", "lowp.fp32_accumulate=false"),
              "fp16 + six on the CPU's native fp16 kernels (fp32-accumulate emulation off)", only_on="cpu"),
     ]
@@ -76,7 +92,7 @@ def _modes() -> dict[str, Mode]:
 
 MODES = _modes()
 DEFAULT_MODES = ("fp32", "tf32", "amp", "bf16", "fp16-naive", "fp16", "fp16-native")
-ABLATIONS = tuple(f"fp16-no-{switch}" for switch in SIX)
+ABLATIONS = ("fp16-six", "bf16-six", *(f"fp16-no-{switch}" for switch in SIX))
 
 
 # --- options ---------------------------------------------------------------------------------
@@ -103,6 +119,10 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "batch": ("auto", "where each update's batch comes from: host (pageable) | pinned (page-locked host) | "
                       "device (already on the GPU, as replay.device=auto gives) | all; auto = the training "
                       "default (pinned on a GPU, host on a CPU)"),
+    "emulation_saves": ("low", "what the CPU emulation of fp16/bf16 tensor cores (lowp.fp32_accumulate) saves for "
+                               "backward in emulated cells: low (the fp16/bf16 inputs, as a GPU; the default) | "
+                               "fp32 (their fp32 copies, the earlier form) | both (each in its own cell, plus the two "
+                               "interleaved update by update in one process for their cost in ms)"),
     "isolate": (None, "one fresh process per cell, so a CPU's peak RSS is the cell's own "
                       "(default: true on a CPU, false on a GPU where the CUDA allocator resets its peak)"),
     "device": ("auto", "auto | cpu | cuda"),
@@ -129,6 +149,7 @@ class BenchOptions:
     cuda_graphs: str
     batch: list[str] | None
     isolate: bool | None
+    emulation_saves: str
     device: str
     out: str | None
     overwrite: bool
@@ -228,6 +249,7 @@ def parse_options(given: dict[str, Any]) -> BenchOptions:
         cuda_graphs=_choice("cuda_graphs", value["cuda_graphs"], _ON_OFF),
         batch=batch,
         isolate=isolate,
+        emulation_saves=_choice("emulation_saves", value["emulation_saves"], ("low", "fp32", "both")),
         device=_choice("device", value["device"], ("auto", "cpu", "cuda")),
         out=out,
         overwrite=_bool("overwrite", value["overwrite"]),
@@ -268,9 +290,12 @@ class CellSpec:
     batch_source: str = "host"
     label_batch: bool = False      # name the batch source in the variant (it was asked for)
     cuda_graphs: bool = False
+    emulation: str | None = None   # perf.time_updates(emulation=...): saves_low | saves_fp32 | interleaved
+    label_emulation: bool = False  # name the emulation's form in the variant (it was asked for)
 
     @property
-    def variant(self) -> str:
+    def speed_variant(self) -> str:
+        """The speed switches: what an fp32 row must share to be this row's reference."""
         names = [name for name, on in (("channels_last", self.channels_last), ("compile", self.compile)) if on]
         if self.sync_free is not None:
             names.append("sync_free" if self.sync_free else "host_sync")
@@ -279,6 +304,12 @@ class CellSpec:
         if self.label_batch:
             names.append(f"{self.batch_source}_batch")
         return "+".join(names)
+
+    @property
+    def variant(self) -> str:
+        if self.label_emulation and self.emulation is not None:
+            return "+".join(name for name in (self.speed_variant, self.emulation) if name)
+        return self.speed_variant
 
 
 def _set_tf32(enabled: bool) -> None:
@@ -328,10 +359,14 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
         apply_speed_options(module, spec.channels_last, spec.compile, spec.compile_mode, spec.compile_backend)
 
     timed = time_updates(to_plain(cfg), tuple(spec.obs_shape), spec.action_dim, batch, device,
-                         spec.updates, spec.warmup, prepare=prepare)
+                         spec.updates, spec.warmup, prepare=prepare, emulation=spec.emulation,
+                         tensor_peak=device.type != "cuda" and not spec.compile)
     compute, emulated = _compute(cfg, mode, device.type)
+    saved = timed.saved
     row: dict[str, Any] = {
-        "mode": spec.mode, "variant": spec.variant, "batch_size": spec.batch_size, "device": spec.device,
+        "mode": spec.mode, "variant": spec.variant, "speed_variant": spec.speed_variant,
+        "emulation": spec.emulation or ("saves_low" if emulated else None),
+        "batch_size": spec.batch_size, "device": spec.device,
         "compute": compute, "emulated": emulated, "updates": len(timed.ms), "warmup": spec.warmup,
         "ms_mean": timed.mean_ms, "ms_std": timed.std_ms,
         "ms_median": statistics.median(timed.ms) if timed.ms else math.nan,
@@ -341,6 +376,13 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
         "rss_peak_bytes": None,
         "state_bytes": timed.state["total"], "state_parameters": timed.state["parameters"],
         "state_optimizer": timed.state["optimizer"], "state_target": timed.state["target"],
+        "state_groups": timed.state_groups,
+        "saved_bytes": saved.activations if saved else None,
+        "saved_state_bytes": saved.state if saved else None,
+        "saved_peak_live_bytes": saved.peak_live_activations if saved else None,
+        "saved_by_dtype": saved.by_dtype if saved else None,
+        "tensor_peak_bytes": timed.tensor_peak_bytes,
+        "ms_by_form": timed.ms_by_form,
         "finite_after_first_update": timed.finite_after_first, "finite_at_end": timed.finite_at_end,
         **{f"skipped_{k}": v for k, v in timed.skipped.items()},
         **{f"loss_scale_{k}": v for k, v in timed.loss_scales.items()},
@@ -402,6 +444,7 @@ class Plan:
     notes: list[str]
     replay: dict[str, Any]
     isolate: bool
+    interleaved: list[CellSpec] = dataclasses.field(default_factory=list)  # bench.emulation_saves=both
 
 
 def _shapes(cfg: Any) -> tuple[tuple[int, ...], int, tuple[int, ...], Any]:
@@ -415,6 +458,14 @@ def _shapes(cfg: Any) -> tuple[tuple[int, ...], int, tuple[int, ...], Any]:
         return tuple(env.obs_shape), env.action_dim, tuple(env.frame_shape), env.frame_dtype
     finally:
         env.close()
+
+
+def _emulates(cell_cfg: Any, device: str) -> bool:
+    """Whether this cell's policy runs the CPU emulation of fp16/bf16 tensor cores."""
+    from pixelsac.precision import PrecisionPolicy
+
+    policy = PrecisionPolicy.from_config(cell_cfg, device)
+    return policy.mode != "amp" and policy.fp32_accumulate
 
 
 def make_plan(argv: list[str]) -> Plan:
@@ -463,7 +514,8 @@ def make_plan(argv: list[str]) -> Plan:
     if not on_gpu and True in graph_settings:
         notes.append("cuda_graphs: skipped on a CPU -- CUDA graphs record GPU kernel launches")
         graph_settings = [False]
-    cells = []
+    cells: list[CellSpec] = []
+    interleaved: list[CellSpec] = []
     for batch_size in batch_sizes:
         for channels_last in layouts[options.channels_last]:
             for compile in layouts[options.compile]:
@@ -488,13 +540,27 @@ def make_plan(argv: list[str]) -> Plan:
                                     if conflict:
                                         notes.append(f"{mode.name} with cuda_graphs: skipped -- {conflict}")
                                         continue
-                                cells.append(CellSpec(mode.name, cell_overrides, batch_size, channels_last, compile,
-                                                      options.compile_mode, options.compile_backend, updates, warmup,
-                                                      device, list(obs_shape), action_dim, sync_free, source,
-                                                      label_batch=options.batch is not None and on_gpu,
-                                                      cuda_graphs=graphs))
+                                spec = CellSpec(mode.name, cell_overrides, batch_size, channels_last, compile,
+                                                options.compile_mode, options.compile_backend, updates, warmup,
+                                                device, list(obs_shape), action_dim, sync_free, source,
+                                                label_batch=options.batch is not None and on_gpu,
+                                                cuda_graphs=graphs)
+                                if options.emulation_saves == "low" or not _emulates(cell_cfg, device):
+                                    cells.append(spec)
+                                    continue
+                                forms = ["saves_fp32", "saves_low"] if options.emulation_saves == "both" \
+                                    else ["saves_fp32"]  # the earlier form first: the base of 'vs switches off'
+                                cells += [dataclasses.replace(spec, emulation=form, label_emulation=True)
+                                          for form in forms]
+                                if options.emulation_saves == "both":
+                                    interleaved.append(dataclasses.replace(
+                                        spec, emulation="interleaved", updates=4 * math.ceil(max(updates, 4) / 4),
+                                        warmup=max(warmup, 2)))
     if not cells:
         raise BenchError(f"nothing to run on a {device}: " + "; ".join(notes))
+    if options.emulation_saves != "low" and not any(cell.emulation for cell in cells):
+        notes.append(f"emulation_saves={options.emulation_saves}: no cell emulates fp16/bf16 tensor cores "
+                     "(that is fp16/bf16 on a CPU with lowp.fp32_accumulate on)")
     from pixelsac.replay import ReplayBuffer
 
     # bytes per transition do not depend on capacity; a tiny buffer allocates almost nothing
@@ -503,17 +569,21 @@ def make_plan(argv: list[str]) -> Plan:
     replay_info = {"bytes_per_transition": replay.bytes_per_transition, "capacity": int(cfg.replay.capacity),
                    "frame_shape": list(frame_shape), "frame_dtype": str(frame_dtype), "action_dim": action_dim}
     isolate = options.isolate if options.isolate is not None else not on_gpu
-    return Plan(options, overrides, cfg, device, out, cells, notes, replay_info, isolate)
+    return Plan(options, overrides, cfg, device, out, cells, notes, replay_info, isolate, interleaved)
 
 
 # --- ratios and reports ----------------------------------------------------------------------
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row's ratios to the fp32 row of the same batch size and speed variant:
-    ``speedup_vs_fp32`` = fp32 ms ÷ mode ms, ``state_vs_fp32`` and ``peak_vs_fp32`` = mode bytes ÷
-    fp32 bytes (peak only when both were measured the same way). None where there is no fp32."""
-    from pixelsac.perf import ratio, speedup
+    ``speedup_vs_fp32`` = fp32 ms ÷ mode ms, ``state_vs_fp32``, ``saved_vs_fp32`` and
+    ``peak_vs_fp32`` = mode bytes ÷ fp32 bytes (peak only when both were measured the same way),
+    ``state_groups_vs_fp32`` group by group of the same name. None where there is no fp32."""
+    from pixelsac.perf import group_ratios, ratio, speedup
 
-    reference = {(r["batch_size"], r["variant"]): r for r in rows if r["mode"] == "fp32" and r["status"] == "ok"}
+    def speed_variant(row: dict[str, Any]) -> str:
+        return row.get("speed_variant", row["variant"])
+
+    reference = {(r["batch_size"], speed_variant(r)): r for r in rows if r["mode"] == "fp32" and r["status"] == "ok"}
     # The first variant measured for a mode and batch size has every speed switch off (cells are
     # ordered off before on), so it is the baseline that shows what each switch buys.
     base: dict[tuple[str, int], dict[str, Any]] = {}
@@ -525,18 +595,23 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["speedup_vs_base"] = speedup(first["ms_mean"], row["ms_mean"]) \
             if first is not None and row["status"] == "ok" else None
         row["base_variant"] = first["variant"] if first is not None else None
-        fp32 = reference.get((row["batch_size"], row["variant"]))
+        fp32 = reference.get((row["batch_size"], speed_variant(row)))
         ok = fp32 is not None and row["status"] == "ok"
         row["speedup_vs_fp32"] = speedup(fp32["ms_mean"], row["ms_mean"]) if ok else None
         row["state_vs_fp32"] = ratio(row["state_bytes"], fp32["state_bytes"]) if ok else None
+        row["saved_vs_fp32"] = ratio(row.get("saved_bytes"), fp32.get("saved_bytes")) if ok else None
+        row["tensor_peak_vs_fp32"] = ratio(row.get("tensor_peak_bytes"), fp32.get("tensor_peak_bytes")) if ok else None
+        row["state_groups_vs_fp32"] = group_ratios(row.get("state_groups"), fp32.get("state_groups")) if ok else None
         same_kind = ok and fp32["peak_mem_kind"] == row["peak_mem_kind"]
         row["peak_vs_fp32"] = ratio(row["peak_mem_bytes"], fp32["peak_mem_bytes"]) if same_kind else None
     return rows
 
 
-CSV_COLUMNS = ("mode", "variant", "batch_size", "device", "compute", "emulated", "updates", "warmup",
-               "ms_mean", "ms_std", "ms_median", "ms_min", "speedup_vs_fp32", "speedup_vs_base", "base_variant", "peak_mem_bytes", "peak_mem_kind",
-               "rss_peak_bytes", "peak_vs_fp32", "state_bytes", "state_parameters", "state_optimizer",
+CSV_COLUMNS = ("mode", "variant", "batch_size", "device", "compute", "emulated", "emulation", "updates", "warmup",
+               "ms_mean", "ms_std", "ms_median", "ms_min", "speedup_vs_fp32", "speedup_vs_base", "base_variant",
+               "peak_mem_bytes", "peak_mem_kind", "rss_peak_bytes", "peak_vs_fp32", "tensor_peak_bytes",
+               "tensor_peak_vs_fp32", "saved_bytes", "saved_vs_fp32", "saved_peak_live_bytes",
+               "saved_state_bytes", "state_bytes", "state_parameters", "state_optimizer",
                "state_target", "state_vs_fp32", "finite_after_first_update", "finite_at_end", "skipped_critic",
                "skipped_actor", "skipped_alpha", "loss_scale_critic", "loss_scale_actor", "loss_scale_alpha",
                "status")
@@ -573,12 +648,72 @@ def _mib(value: Any) -> str:
     return _fmt(None if value is None else value / 2**20, ",.1f")
 
 
-def markdown(plan: Plan, rows: list[dict[str, Any]], header: list[str]) -> str:
+def _row_label(r: dict[str, Any]) -> str:
+    return f"{r['mode']}{' ' + r['variant'] if r['variant'] else ''} b{r['batch_size']}"
+
+
+def _group_table(rows: list[dict[str, Any]]) -> list[str]:
+    """State by kind and group, one column per measured row, with each group's ratio to fp32."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("state_groups")]
+    if not ok:
+        return []
+    names: dict[str, list[str]] = {}
+    for r in ok:
+        for kind, members in r["state_groups"].items():
+            names.setdefault(kind, [])
+            names[kind] += [name for name in members if name not in names[kind]]
+    lines = ["State by group, MiB (× fp32's group of the same name, same batch):", "",
+             "| kind | group | " + " | ".join(_row_label(r) for r in ok) + " |",
+             "|---|---|" + "---|" * len(ok)]
+    for kind, groups in names.items():
+        total = [_mib(r.get(f"state_{kind}")) for r in ok]
+        lines.append(f"| **{kind}** | all | " + " | ".join(f"**{t}**" for t in total) + " |")
+        for name in groups:
+            cells = []
+            for r in ok:
+                nbytes = r["state_groups"].get(kind, {}).get(name)
+                x = ((r.get("state_groups_vs_fp32") or {}).get(kind) or {}).get(name)
+                cells.append("-" if nbytes is None else _mib(nbytes) + ("" if x is None else f" ({x:.2f}×)"))
+            lines.append(f"| {kind} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _interleaved_table(interleaved: list[dict[str, Any]]) -> list[str]:
+    if not interleaved:
+        return []
+    lines = ["Cost of the emulation's two forms, interleaved update by update in one process (A B B A, so "
+             "each form gets as many critic-only as full updates; the machine's load is shared by both):", "",
+             "| mode | variant | batch | saves fp32 copies, ms | saves fp16/bf16, ms | fp16-saving ÷ fp32-saving |",
+             "|---|---|---|---|---|---|"]
+    for r in interleaved:
+        if r["status"] != "ok":
+            lines.append(f"| {r['mode']} | {r.get('speed_variant') or '-'} | {r['batch_size']} | {r['status']} | | |")
+            continue
+        forms = r["ms_by_form"]
+        old, new = forms["saves_fp32"], forms["saves_low"]
+        mean = lambda xs: statistics.fmean(xs) if xs else math.nan  # noqa: E731
+        std = lambda xs: statistics.pstdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+        lines.append(f"| {r['mode']} | {r.get('speed_variant') or '-'} | {r['batch_size']} | "
+                     f"{mean(old):,.1f} ± {std(old):,.1f} (n={len(old)}) | {mean(new):,.1f} ± {std(new):,.1f} "
+                     f"(n={len(new)}) | {_fmt(mean(new) / mean(old) if old and new else None, '.3f')} |")
+    return lines
+
+
+def markdown(plan: Plan, rows: list[dict[str, Any]], header: list[str],
+             interleaved: list[dict[str, Any]] | None = None) -> str:
+    from pixelsac.perf import MEMORY_FIGURES
+
     lines = ["# pixelsac update-step benchmark", "", *header, ""]
     lines += [*(f"- {line}" for line in _cpu_statement(rows, plan.device)), ""]
     lines += ["| mode | variant | batch | compute | ms/update (mean ± std) | min | speed-up vs fp32 | "
-              "vs switches off | peak MiB | peak vs fp32 | state MiB | state vs fp32 | finite | skipped c/a/α |",
+              "vs switches off | peak MiB (× fp32) | tensor peak MiB (× fp32) | saved for backward MiB (× fp32) | "
+              "state MiB (× fp32) | finite | skipped c/a/α |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def mib_and_ratio(r: dict[str, Any], key: str, ratio_key: str) -> str:
+        x = r.get(ratio_key)
+        return _mib(r.get(key)) + ("" if x is None else f" ({x:.2f})")
+
     for r in rows:
         if r["status"] != "ok":
             lines.append(f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | | {r['status']} "
@@ -591,17 +726,26 @@ def markdown(plan: Plan, rows: list[dict[str, Any]], header: list[str]) -> str:
             f"{_fmt(r['ms_mean'], ',.2f')} ± {_fmt(r['ms_std'], ',.2f')} | {_fmt(r['ms_min'], ',.2f')} | "
             f"{_fmt(r['speedup_vs_fp32'], '.2f')} | "
             f"{_fmt(r.get('speedup_vs_base'), '.2f') if r.get('base_variant') != r['variant'] else '-'} | "
-            f"{_mib(r['peak_mem_bytes'])} | {_fmt(r['peak_vs_fp32'], '.2f')} | {_mib(r['state_bytes'])} | "
-            f"{_fmt(r['state_vs_fp32'], '.2f')} | {finite} | "
+            f"{mib_and_ratio(r, 'peak_mem_bytes', 'peak_vs_fp32')} | "
+            f"{mib_and_ratio(r, 'tensor_peak_bytes', 'tensor_peak_vs_fp32')} | "
+            f"{mib_and_ratio(r, 'saved_bytes', 'saved_vs_fp32')} | "
+            f"{mib_and_ratio(r, 'state_bytes', 'state_vs_fp32')} | "
+            f"{finite} | "
             f"{r.get('skipped_critic', 0)}/{r.get('skipped_actor', 0)}/{r.get('skipped_alpha', 0)} |")
     kinds = sorted({r["peak_mem_kind"] for r in rows if r["status"] == "ok"})
-    lines += ["", "Peak memory: " + "; ".join(kinds) + ". State = parameters + optimizer state + target copies "
-              "(pixelsac.precision.state_bytes). Ratios are to fp32 at the same batch size and variant; "
+    lines += ["", "Peak memory here: " + "; ".join(kinds) + ". Ratios are to fp32 at the same batch size and speed "
+              "variant; "
               "'vs switches off' is the same mode and batch size with every speed switch off (its first row) "
               "divided by this row. Variants: channels_last (perf.channels_last), compile (perf.compile), "
               "sync_free / host_sync (perf.sync_free with the index / kornia random shift), "
               "cuda_graphs (perf.cuda_graphs: each update replayed as a CUDA graph), "
-              "<source>_batch (where the batch is when the update starts: pageable host, pinned host, device)."]
+              "<source>_batch (where the batch is when the update starts: pageable host, pinned host, device), "
+              "saves_low / saves_fp32 (bench.emulation_saves: the CPU emulation saves fp16/bf16 inputs or their "
+              "fp32 copies for backward; same values)."]
+    lines += ["", "Which memory figure is which:", *(f"- **{name}**: {text}" for name, text in MEMORY_FIGURES.items())]
+    for extra in (_group_table(rows), _interleaved_table(interleaved or [])):
+        if extra:
+            lines += ["", *extra]
     replay = plan.replay
     lines += ["", f"Replay: {replay['bytes_per_transition']:,.0f} bytes per transition ({replay['frame_dtype']} frames "
                   f"{'x'.join(map(str, replay['frame_shape']))} stored once, action dim {replay['action_dim']}); "
@@ -640,13 +784,14 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             ax_time.text(i, r["ms_mean"], "NaN", ha="center", va="bottom", fontsize=7)
     ax_time.set_ylabel("ms / update")
     ax_time.set_title("update time (mean ± std)")
-    width = 0.4
-    ax_mem.bar([i - width / 2 for i in x], [r["state_bytes"] / 2**20 for r in ok], width, label="state")
-    peaks = [(i, r["peak_mem_bytes"] / 2**20) for i, r in enumerate(ok) if r["peak_mem_bytes"] is not None]
-    if peaks:
-        ax_mem.bar([i + width / 2 for i, _ in peaks], [p for _, p in peaks], width, label="peak")
+    width = 0.27
+    for offset, key, label in ((-width, "state_bytes", "state"), (0.0, "saved_bytes", "saved for backward"),
+                               (width, "peak_mem_bytes", "peak")):
+        bars = [(i, r[key] / 2**20) for i, r in enumerate(ok) if r.get(key) is not None]
+        if bars:
+            ax_mem.bar([i + offset for i, _ in bars], [b for _, b in bars], width, label=label)
     ax_mem.set_ylabel("MiB")
-    ax_mem.set_title("memory: state = params + optimizer + target", fontsize=9)
+    ax_mem.set_title("memory: state = params + optimizer + target; saved for backward in one update", fontsize=9)
     ax_mem.legend()
     for ax in (ax_time, ax_mem):
         ax.set_xticks(x)
@@ -657,7 +802,8 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(plan: Plan, rows: list[dict[str, Any]], header: list[str], with_chart: bool) -> None:
+def write_outputs(plan: Plan, rows: list[dict[str, Any]], header: list[str], with_chart: bool,
+                  interleaved: list[dict[str, Any]] | None = None) -> None:
     import csv
 
     plan.out.mkdir(parents=True, exist_ok=True)
@@ -666,9 +812,9 @@ def write_outputs(plan: Plan, rows: list[dict[str, Any]], header: list[str], wit
         writer.writeheader()
         for row in rows:
             writer.writerow({k: row.get(k) for k in CSV_COLUMNS})
-    (plan.out / "bench.md").write_text(markdown(plan, rows, header))
+    (plan.out / "bench.md").write_text(markdown(plan, rows, header, interleaved))
     meta = {"header": header, "notes": plan.notes, "replay": plan.replay, "overrides": plan.overrides,
-            "options": dataclasses.asdict(plan.options), "rows": rows}
+            "options": dataclasses.asdict(plan.options), "rows": rows, "interleaved": interleaved or []}
     (plan.out / "bench.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
     if with_chart:
         chart(rows, plan.out / "bench.png", header[0].removeprefix("- "))
@@ -698,33 +844,52 @@ def _header(plan: Plan) -> list[str]:
     ]
 
 
+def _measure(plan: Plan, spec: CellSpec) -> dict[str, Any]:
+    try:
+        return run_cell_isolated(spec) if plan.isolate else run_cell(spec)
+    except Exception as exc:  # one broken cell (a compile failure, out of memory) must not lose the rest
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return {"mode": spec.mode, "variant": spec.variant, "speed_variant": spec.speed_variant,
+                "batch_size": spec.batch_size, "device": spec.device,
+                "status": f"failed: {type(exc).__name__}: {message}"[:300]}
+
+
 def run_plan(plan: Plan) -> list[dict[str, Any]]:
-    """Measure every cell (a failing cell is recorded, not fatal), writing results as they come."""
+    """Measure every cell (a failing cell is recorded, not fatal), writing results as they come;
+    then the interleaved timings of the emulation's two forms (``bench.emulation_saves=both``)."""
     rows: list[dict[str, Any]] = []
+    interleaved: list[dict[str, Any]] = []
     header = _header(plan)
     print("\n".join(header))
     for line in _cpu_statement([], plan.device):
         print(line)
     for spec in plan.cells:
         label = f"{spec.mode}{' ' + spec.variant if spec.variant else ''} batch {spec.batch_size}"
-        try:
-            row = run_cell_isolated(spec) if plan.isolate else run_cell(spec)
-        except Exception as exc:  # one broken cell (a compile failure, out of memory) must not lose the rest
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            row = {"mode": spec.mode, "variant": spec.variant, "batch_size": spec.batch_size,
-                   "device": spec.device, "status": f"failed: {type(exc).__name__}: {message}"[:300]}
+        row = _measure(plan, spec)
         rows.append(row)
         add_ratios(rows)
         if row["status"] == "ok":
             flag = "" if row["finite_at_end"] else "  [non-finite parameters: timed anyway]"
             print(f"{label}: {row['ms_mean']:,.2f} ± {row['ms_std']:,.2f} ms/update ({row['compute']}), "
-                  f"state {_mib(row['state_bytes'])} MiB, peak {_mib(row['peak_mem_bytes'])} MiB{flag}", flush=True)
+                  f"peak {_mib(row['peak_mem_bytes'])} MiB, saved for backward {_mib(row.get('saved_bytes'))} MiB, "
+                  f"state {_mib(row['state_bytes'])} MiB{flag}", flush=True)
         else:
             print(f"{label}: {row['status']}", flush=True)
-        write_outputs(plan, rows, header, with_chart=False)
-    write_outputs(plan, rows, header, with_chart=True)
+        write_outputs(plan, rows, header, with_chart=False, interleaved=interleaved)
+    for spec in plan.interleaved:
+        row = _measure(plan, spec)
+        interleaved.append(row)
+        if row["status"] == "ok":
+            forms = row["ms_by_form"]
+            print(f"{spec.mode} batch {spec.batch_size}, the emulation's forms interleaved: saves fp32 "
+                  f"{statistics.fmean(forms['saves_fp32']):,.1f} ms, saves fp16/bf16 "
+                  f"{statistics.fmean(forms['saves_low']):,.1f} ms per update", flush=True)
+        else:
+            print(f"{spec.mode} batch {spec.batch_size} interleaved: {row['status']}", flush=True)
+        write_outputs(plan, rows, header, with_chart=False, interleaved=interleaved)
+    write_outputs(plan, rows, header, with_chart=True, interleaved=interleaved)
     print()
-    print(markdown(plan, rows, header))
+    print(markdown(plan, rows, header, interleaved))
     print(f"wrote {plan.out / 'bench.csv'}, bench.md, bench.json, bench.png")
     return rows
 

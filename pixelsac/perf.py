@@ -30,14 +30,18 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from pixelsac import lowp
 from pixelsac.precision import state_bytes
 
 MIB = 1024 * 1024
@@ -169,6 +173,222 @@ class PeakMemory:
         return rss_peak_bytes()
 
 
+# --- memory where it is spent -----------------------------------------------------------------
+def _storage(tensor: torch.Tensor) -> tuple[Any, int, Any]:
+    """(identity, bytes, storage object) of the memory a tensor keeps alive: its whole storage,
+    views included. The storage object is None for layouts without a plain storage."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes(), storage
+    except (RuntimeError, NotImplementedError):  # sparse, mkldnn, ...: the tensor's own bytes
+        return ("tensor", id(tensor)), tensor.numel() * tensor.element_size(), None
+
+
+class _Held:
+    """What the meter's pack hook hands autograd in place of a saved tensor; its end (autograd
+    frees a node's saved tensors after the node's backward) tells the meter."""
+
+    __slots__ = ("tensor", "_meter", "_key", "_nbytes")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedTensorMeter, key: Any, nbytes: int) -> None:
+        self.tensor, self._meter, self._key, self._nbytes = tensor, meter, key, nbytes
+
+    def __del__(self) -> None:
+        self._meter._release(self._key, self._nbytes)
+
+
+@dataclasses.dataclass
+class SavedBytes:
+    """What :class:`SavedTensorMeter` counted (bytes; see there)."""
+
+    activations: int                  # saved tensors other than state, each storage once
+    state: int                        # parameters/buffers saved (already counted in the state bytes)
+    peak_live_activations: int        # the most saved activation bytes alive at one moment
+    by_dtype: dict[str, int]          # activations by dtype ("float16", "float32", ...)
+    tensors: int                      # tensors saved (views and repeats included)
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.state
+
+
+class SavedTensorMeter:
+    """Bytes of the tensors autograd saves for backward while this context is active.
+
+    A ``torch.autograd.graph.saved_tensors_hooks`` pack hook sees every tensor an autograd node
+    keeps for its backward pass -- built-in ops and custom autograd Functions
+    (``ctx.save_for_backward``) alike -- so the count is exact and the same on a CPU and a GPU,
+    unlike a process's resident set or an allocator's peak, which also hold transient buffers,
+    kernel workspaces, caches and libraries. A saved tensor is counted by the storage it keeps
+    alive (a view keeps its whole base), and a storage once however many nodes or views save it
+    while it lives (its address can come back for a new storage after it is freed, and then
+    counts anew).
+
+    Storages of ``state`` (parameters and buffers: a linear layer saves its weight) are counted
+    apart in :attr:`SavedBytes.state`; the state bytes count them already.
+    :attr:`SavedBytes.peak_live_activations` is the most activation bytes saved and not yet
+    released at one moment (for SAC: the critic's graph just before its backward). The hooks
+    change no value; they cost a Python call per saved tensor.
+    """
+
+    def __init__(self, state: Iterable[torch.Tensor] = ()) -> None:
+        self._state = {key for key, _, _ in map(_storage, state)}
+        self._state_seen: set[Any] = set()
+        self._seen: set[Any] = set()            # activation storages counted and still alive
+        self._live: dict[Any, int] = {}         # saved references not yet released, per storage
+        self._live_bytes = 0
+        self.activations = 0
+        self.state = 0
+        self.peak_live = 0
+        self.by_dtype: dict[str, int] = {}
+        self.tensors = 0
+        self._hooks: Any = None
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        self.tensors += 1
+        key, nbytes, storage = _storage(tensor)
+        if key in self._state:
+            if key not in self._state_seen:
+                self._state_seen.add(key)
+                self.state += nbytes
+            return tensor.detach()
+        if key not in self._seen:
+            self._seen.add(key)
+            if storage is not None:
+                weakref.finalize(storage, self._seen.discard, key)
+            self.activations += nbytes
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            self.by_dtype[dtype] = self.by_dtype.get(dtype, 0) + nbytes
+        live = self._live.get(key, 0)
+        self._live[key] = live + 1
+        if live == 0:
+            self._live_bytes += nbytes
+            self.peak_live = max(self.peak_live, self._live_bytes)
+        # Detached: a saved output holding its own grad_fn would close a reference cycle through
+        # the graph (node -> saved tensor -> node) that outlives a graph no backward ever frees.
+        return _Held(tensor.detach(), self, key, nbytes)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def _release(self, key: Any, nbytes: int) -> None:
+        live = self._live.get(key, 0) - 1
+        if live > 0:
+            self._live[key] = live
+        elif live == 0:
+            del self._live[key]
+            self._live_bytes -= nbytes
+
+    def result(self) -> SavedBytes:
+        return SavedBytes(self.activations, self.state, self.peak_live, dict(self.by_dtype), self.tensors)
+
+
+class TensorPeakMeter(TorchDispatchMode):
+    """The most bytes of tensors alive at one moment among those created while this is active:
+    on a CPU, what ``torch.cuda.max_memory_allocated`` minus the bytes allocated before says on a
+    GPU.
+
+    Every op runs through this mode; a storage that an op returns and that is none of its
+    inputs' (not a view, not an in-place or ``out=`` result) was allocated by the op, and a
+    finalizer subtracts it when it is freed. Not counted: tensors from before (parameters, the
+    batch) and memory a kernel allocates for itself without returning it (oneDNN's reorders and
+    scratchpads), which the process's resident set holds, with the allocator's free holes. It
+    costs a Python call per op, so it meters one update, untimed; it is not for compiled code.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._alive: set[Any] = set()
+        self._bytes = 0
+        self.peak = 0
+
+    def _freed(self, key: Any, nbytes: int) -> None:
+        if key in self._alive:
+            self._alive.discard(key)
+            self._bytes -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage(t)[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            key, nbytes, storage = _storage(tensor)
+            if storage is None or not nbytes or key in inputs or key in self._alive:
+                continue
+            self._alive.add(key)
+            self._bytes += nbytes
+            weakref.finalize(storage, self._freed, key, nbytes)
+        self.peak = max(self.peak, self._bytes)
+        return out
+
+
+def module_state_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters and buffers: the state tensors an update's autograd graph may save."""
+    return [*module.parameters(), *module.buffers()]
+
+
+def _group_bytes(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """Bytes per group name, each storage counted once, in the first group that holds it."""
+    seen: set[Any] = set()
+    groups: dict[str, int] = {}
+    for group, tensor in named:
+        key, nbytes, _ = _storage(tensor)
+        groups.setdefault(group, 0)
+        if key not in seen:
+            seen.add(key)
+            groups[group] += nbytes
+    return {group: nbytes for group, nbytes in groups.items() if nbytes}
+
+
+def _network(name: str, depth: int) -> str:
+    return ".".join(name.split(".")[:depth])
+
+
+def state_groups(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, dict[str, int]]:
+    """The learner's persistent state bytes by kind and, within a kind, by group.
+
+    The kinds are those of :func:`pixelsac.precision.state_bytes` (and each sums to its figure):
+    ``parameters`` by network, the first two levels of the name (``critic.trunk``,
+    ``critic.proj``, ``actor.policy``, ``log_alpha``); ``optimizer`` by state key, whatever the
+    optimizers keep per parameter (``exp_avg``, ``exp_avg_sq``, ``exp_avg_root``,
+    ``kahan_comp``, ...; scalars such as step counts are left out, as there); ``target`` by
+    owner: frozen parameters by network (``critic_target``) and buffers by the module that
+    registers them (``target_updater.scaled_params``, ``target_updater.kahan_comp``). Nothing
+    here is a fixed list: a new optimizer-state key or buffer shows up as a group of its own.
+    """
+    named = list(module.named_parameters())
+    groups = {
+        "parameters": _group_bytes((_network(n, 2), p) for n, p in named if p.requires_grad),
+        "optimizer": _group_bytes((key, value) for opt in optimizers for st in opt.state.values()
+                                  for key, value in st.items() if torch.is_tensor(value) and value.dim() > 0),
+        "target": _group_bytes([*((_network(n, 1), p) for n, p in named if not p.requires_grad),
+                                *((n.rpartition(".")[0] or n, b) for n, b in module.named_buffers()
+                                  if b.is_floating_point())]),
+    }
+    return groups
+
+
+def group_ratios(groups: dict[str, dict[str, int]] | None,
+                 fp32_groups: dict[str, dict[str, int]] | None) -> dict[str, dict[str, float | None]] | None:
+    """Each group's bytes ÷ the fp32 agent's bytes for the group of the same name (None where
+    fp32 has no such group: fp32 Adam keeps ``exp_avg_sq``, hAdam ``exp_avg_root``)."""
+    if groups is None or fp32_groups is None:
+        return None
+    return {kind: {name: ratio(nbytes, fp32_groups.get(kind, {}).get(name)) for name, nbytes in members.items()}
+            for kind, members in groups.items()}
+
+
 # --- timing updates inside a Trainer ---------------------------------------------------------
 class _FetchListener:
     """Stands in for ``trainer.profiler``, forwarding every call to it, and calls ``on_fetched``
@@ -261,7 +481,8 @@ def apply_speed_options(module: Any, channels_last: bool, compile: bool, compile
         kwargs: dict[str, Any] = {"backend": compile_backend}
         if compile_backend == "inductor" and compile_mode != "default":
             kwargs["mode"] = compile_mode
-        for critic in (module.critic, module.critic_target):
+        # a derived target (lowp.derived_target) runs the critic itself with other parameters
+        for critic in filter(None, (module.critic, module.critic_target)):
             for part in (critic.trunk, critic.proj, critic.q1, critic.q2):
                 part.compile(**kwargs)
         module.actor.compile(**kwargs)
@@ -285,6 +506,10 @@ class TimedUpdates:
     finite_at_end: bool
     skipped: dict[str, int]           # skipped optimizer steps per loss, warm-up included
     loss_scales: dict[str, float]
+    saved: SavedBytes | None = None   # saved for backward in the first (full) update
+    state_groups: dict[str, dict[str, int]] | None = None   # state_groups(): by kind and group
+    ms_by_form: dict[str, list[float]] | None = None        # interleaved emulation forms, timed
+    tensor_peak_bytes: int | None = None  # TensorPeakMeter over the first update (CPU)
 
     @property
     def mean_ms(self) -> float:
@@ -295,32 +520,91 @@ class TimedUpdates:
         return statistics.pstdev(self.ms) if len(self.ms) > 1 else 0.0
 
 
-class _Probe(UpdateTimer):
-    """UpdateTimer that also resets the peak-memory counter before the first timed update and
-    checks the parameters after the first update (outside the timed span)."""
+EMULATION_FORMS = {True: "saves_low", False: "saves_fp32"}
 
-    def __init__(self, warmup: int) -> None:
+
+class _EmulationFormPolicy:
+    """A module's precision policy with the CPU emulation's form chosen from outside: what
+    ``lowp.fp32_accumulate`` saves for backward (``save_low_precision``; the values are the same
+    either way). Everything but :meth:`compute_context` is the policy's own."""
+
+    def __init__(self, policy: Any, save_low_precision: bool) -> None:
+        self._policy = policy
+        self.save_low_precision = save_low_precision
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policy, name)
+
+    def compute_context(self) -> Any:
+        if self._policy.mode != "amp" and self._policy.fp32_accumulate:
+            return lowp.fp32_accumulate(save_low_precision=self.save_low_precision)
+        return self._policy.compute_context()
+
+
+def interleaved_forms(warmup: int, updates: int) -> list[bool]:
+    """``save_low_precision`` for each update when two emulation forms are timed in one run:
+    alternating through the warm-up, then A B B A from the first timed update on, so that each
+    form gets as many even as odd updates (DrQ runs the actor on every other update)."""
+    return [i % 2 == 0 for i in range(warmup)] + [(i % 4) in (0, 3) for i in range(updates)]
+
+
+class _Probe(UpdateTimer):
+    """UpdateTimer that also resets the peak-memory counter before the first timed update, checks
+    the parameters after the first update (outside the timed span), meters what the first update
+    saves for backward, and (``forms``) sets the emulation's form before each update."""
+
+    def __init__(self, warmup: int, forms: list[bool] | None = None, tensor_peak: bool = False) -> None:
         super().__init__()
         self.warmup = warmup
         self.started = 0
         self.peak: PeakMemory | None = None
         self.finite_after_first: bool | None = None
+        self.forms = forms
+        self.saved: SavedBytes | None = None
+        self.tensor_peak = tensor_peak
+        self.tensor_peak_bytes: int | None = None
+        self._meter: SavedTensorMeter | None = None
+        self._peak_meter: TensorPeakMeter | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if trainer.strategy.root_device.type == "cuda":
             self.peak = PeakMemory(trainer.strategy.root_device)
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.forms is not None:  # after the module's setup, which builds its policy
+            pl_module.precision_policy = _EmulationFormPolicy(pl_module.precision_policy, self.forms[0])
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.started == self.warmup and self.peak is not None:
             self.peak.reset()
+        if self.forms is not None:
+            pl_module.precision_policy.save_low_precision = self.forms[min(self.started, len(self.forms) - 1)]
+        if self.started == 0:  # update 0 runs the critic, the actor and the temperature
+            self._meter = SavedTensorMeter(module_state_tensors(pl_module)).__enter__()
+            if self.tensor_peak:
+                self._peak_meter = TensorPeakMeter().__enter__()
         self.started += 1
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
+    def _close_meters(self) -> None:
+        if self._peak_meter is not None:
+            peak_meter, self._peak_meter = self._peak_meter, None
+            peak_meter.__exit__(None, None, None)
+            self.tensor_peak_bytes = peak_meter.peak
+        if self._meter is not None:
+            meter, self._meter = self._meter, None
+            meter.__exit__(None, None, None)
+            self.saved = meter.result()
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._close_meters()
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.finite_after_first is None and self.updated(pl_module):
             self.finite_after_first = parameters_finite(pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._close_meters()
 
 
 def synthetic_batch(batch_size: int, obs_shape: tuple[int, ...], action_dim: int,
@@ -363,6 +647,9 @@ def _trainer_device_args(device: torch.device) -> dict[str, Any]:
     return {"accelerator": device.type, "devices": 1}
 
 
+EMULATION_CHOICES = ("saves_low", "saves_fp32", "interleaved")
+
+
 def time_updates(
     config: dict[str, Any],
     obs_shape: tuple[int, ...],
@@ -372,18 +659,37 @@ def time_updates(
     updates: int,
     warmup: int,
     prepare: Callable[[L.LightningModule], None] | None = None,
+    emulation: str | None = None,
+    tensor_peak: bool | None = None,
 ) -> TimedUpdates:
     """Build a fresh ``SACModule`` from ``config`` and time ``updates`` of its real training steps
     on ``batch`` after ``warmup`` untimed ones, under a throwaway Trainer on ``device``.
 
     ``prepare(module)`` may change the module before it is fitted (memory format, compilation).
     The caller's random streams are left as they were (the fork is restored afterwards), so a
-    calibration at start-up does not change the run that follows it.
+    calibration at start-up does not change the run that follows it. The first update (the
+    critic, the actor and the temperature) runs under a :class:`SavedTensorMeter`.
+
+    ``emulation`` picks what the CPU emulation (``lowp.fp32_accumulate``, where the policy runs
+    it) saves for backward: ``"saves_low"`` the fp16/bf16 inputs (the library's default),
+    ``"saves_fp32"`` their fp32 copies (the earlier form), ``"interleaved"`` both, alternating
+    in this one run (:func:`interleaved_forms`) so that their times share the machine's state;
+    their times are in ``ms_by_form``. None leaves the policy as it is.
+
+    ``tensor_peak`` (default: on a CPU) meters the first update with a :class:`TensorPeakMeter`
+    too (a Python call per op: leave it off for compiled networks).
     """
     from torch.utils.data import DataLoader
 
     from pixelsac.module import SACModule
 
+    if emulation is not None and emulation not in EMULATION_CHOICES:
+        raise ValueError(f"emulation={emulation!r}; choose one of {', '.join(EMULATION_CHOICES)} or None")
+    forms = None
+    if emulation == "interleaved":
+        forms = interleaved_forms(warmup, updates)
+    elif emulation is not None:
+        forms = [emulation == "saves_low"]
     # No metric sync or health check inside the timed steps: they come every log interval in a
     # run, and a naive fp16 agent must be timed to the end rather than stopped at its first NaN.
     config = {**config, "train": {**config["train"], "log_every_updates": _NEVER}}
@@ -395,7 +701,9 @@ def time_updates(
         module = SACModule(config, obs_shape, action_dim)
         if prepare is not None:
             prepare(module)
-        probe = _Probe(warmup)
+        if tensor_peak is None:
+            tensor_peak = device.type != "cuda"
+        probe = _Probe(warmup, forms, tensor_peak)
         trainer = L.Trainer(**_trainer_device_args(device), max_epochs=1, precision="32-true", logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[probe])
@@ -404,6 +712,10 @@ def time_updates(
         peak = None
         if probe.peak is not None:
             peak = max(probe.peak.read() - allocated_before, 0)
+        ms_by_form = None
+        if emulation == "interleaved":
+            ms_by_form = {name: [t for t, low in zip(ms, forms[warmup:]) if low == flag]
+                          for flag, name in EMULATION_FORMS.items()}
         result = TimedUpdates(
             ms=ms,
             state=state_bytes(module, trainer.optimizers),
@@ -412,6 +724,10 @@ def time_updates(
             finite_at_end=parameters_finite(module),
             skipped=dict(module.skipped),
             loss_scales=module.loss_scales(),
+            saved=probe.saved,
+            state_groups=state_groups(module, trainer.optimizers),
+            ms_by_form=ms_by_form,
+            tensor_peak_bytes=probe.tensor_peak_bytes,
         )
     del trainer, module
     if device.type == "cuda":
@@ -475,6 +791,8 @@ class Fp32Reference:
     state: dict[str, int]
     peak_bytes: int | None
     seconds: float
+    saved: dict[str, Any] | None = None                       # SavedBytes as a dict
+    state_groups: dict[str, dict[str, int]] | None = None
 
 
 class PerfTracker(UpdateTimer):
@@ -505,6 +823,10 @@ class PerfTracker(UpdateTimer):
         self._ms_all: list[float] = []
         self._peak_max: int | None = None
         self._state: dict[str, int] | None = None
+        self._groups: dict[str, dict[str, int]] | None = None
+        self.actor_every = int(cfg.agent.actor_update_every)
+        self.saved: SavedBytes | None = None   # what the first full update of the fit saved for backward
+        self._meter: SavedTensorMeter | None = None
         self._last_logged = -1
 
     # --- start-up ---------------------------------------------------------------------------
@@ -519,7 +841,9 @@ class PerfTracker(UpdateTimer):
         timed = time_updates(fp32_reference_config(module.hparams["config"]), module.obs_shape,
                              module.action_dim, batch, device, self.calibrate_updates, self.warmup_updates)
         return Fp32Reference(timed.mean_ms, timed.std_ms, len(timed.ms), self.warmup_updates, timed.state,
-                             timed.peak_bytes, _now() - start)
+                             timed.peak_bytes, _now() - start,
+                             dataclasses.asdict(timed.saved) if timed.saved is not None else None,
+                             timed.state_groups)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         device = trainer.strategy.root_device
@@ -530,6 +854,8 @@ class PerfTracker(UpdateTimer):
                    "perf/fp32_state_bytes": self.fp32.state["total"]}
             if self.fp32.peak_bytes is not None:
                 row["perf/fp32_peak_cuda_allocated_mib"] = self.fp32.peak_bytes / MIB
+            if self.fp32.saved is not None:
+                row["perf/fp32_saved_for_backward_bytes"] = self.fp32.saved["activations"]
             _log(trainer, {**row, **self._counters(pl_module)}, step=frames)
             print(f"perf: fp32 reference {self.fp32.ms_per_update:.1f} ms/update (batch {self.batch_size}, "
                   f"{self.fp32.updates} updates after {self.fp32.warmup} warm-up, {self.fp32.seconds:.1f} s), "
@@ -543,7 +869,22 @@ class PerfTracker(UpdateTimer):
         self.peak.reset()
 
     # --- every update -----------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        # One update is metered, the first that runs the actor and the temperature too; the
+        # hooks cost a Python call per saved tensor, so not every update.
+        if self.saved is None and self._meter is None and pl_module.updates % self.actor_every == 0:
+            self._meter = SavedTensorMeter(module_state_tensors(pl_module)).__enter__()
+
+    def _close_meter(self, keep: bool) -> None:
+        if self._meter is not None:
+            meter, self._meter = self._meter, None
+            meter.__exit__(None, None, None)
+            if keep:
+                self.saved = meter.result()
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._close_meter(keep=self.updated(pl_module))  # a step that updated nothing is metered again
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if pl_module.updates % self.log_every == 0 and pl_module.updates != self._last_logged:
             self._last_logged = pl_module.updates
@@ -594,10 +935,17 @@ class PerfTracker(UpdateTimer):
                 row["perf/speedup_vs_fp32"] = faster
         if _optimizers_have_state(trainer.optimizers):
             self._state = state_bytes(module, trainer.optimizers)
+            self._groups = state_groups(module, trainer.optimizers)
             row.update({f"perf/state_bytes_{k}": v for k, v in self._state.items() if k != "total"})
+            row.update({f"perf/state_bytes_{kind}/{name}": v
+                        for kind, members in self._groups.items() for name, v in members.items()})
             row["perf/state_bytes"] = self._state["total"]
             if self.fp32 is not None:
                 row["perf/memory_vs_fp32"] = ratio(self._state["total"], self.fp32.state["total"])
+        if self.saved is not None:
+            row["perf/saved_for_backward_bytes"] = self.saved.activations
+            if self.fp32 is not None and self.fp32.saved is not None:
+                row["perf/saved_for_backward_vs_fp32"] = ratio(self.saved.activations, self.fp32.saved["activations"])
         if self.fp32 is not None and self.fp32.peak_bytes is not None and self.peak.kind == "cuda_max_allocated":
             row["perf/peak_memory_vs_fp32"] = ratio(peak, self.fp32.peak_bytes)
         for name, scale in module.loss_scales().items():
@@ -613,6 +961,7 @@ class PerfTracker(UpdateTimer):
 
     def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
         # a run stopped early (non-finite weights, Ctrl-C) still says what it cost until then
+        self._close_meter(keep=False)
         if self._fit_start is not None and self.summary is None:
             self.finish(trainer, pl_module, stopped_by=f"{type(exception).__name__}: {exception}")
 
@@ -622,6 +971,7 @@ class PerfTracker(UpdateTimer):
         self._read_peak()
         if _optimizers_have_state(trainer.optimizers):
             self._state = state_bytes(pl_module, trainer.optimizers)
+            self._groups = state_groups(pl_module, trainer.optimizers)
         if not trainer.is_global_zero:
             return
         evaluator = next((c for c in trainer.callbacks if type(c).__name__ == "Evaluator"), None)
@@ -646,6 +996,8 @@ class PerfTracker(UpdateTimer):
             replay_bytes=getattr(replay, "nbytes", None),
             replay_bytes_per_transition=getattr(replay, "bytes_per_transition", None),
             stopped_by=stopped_by,
+            saved=self.saved,
+            state_groups=self._groups,
         )
         write_summary(self.run_dir, self.summary)
         print(format_summary(self.summary))
@@ -656,12 +1008,15 @@ def build_summary(*, precision: str, device: str, batch_size: int, env_frames: i
                   state: dict[str, int] | None, loss_scales: dict[str, float], skipped: dict[str, int],
                   best_eval_return: float | None, fp32: Fp32Reference | None,
                   replay_bytes: int | None = None, replay_bytes_per_transition: float | None = None,
-                  stopped_by: str | None = None) -> dict[str, Any]:
-    """The end-of-run figures as plain data; every ratio is computed here from measured values."""
+                  stopped_by: str | None = None, saved: SavedBytes | None = None,
+                  state_groups: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """The end-of-run figures as plain data; every ratio is computed here from measured values.
+    ``memory_figures`` says what each memory figure measures."""
     mean_ms = statistics.fmean(ms) if ms else None
     peak_vs_fp32 = None
     if fp32 is not None and fp32.peak_bytes is not None and peak_kind == "cuda_max_allocated":
         peak_vs_fp32 = ratio(peak_bytes, fp32.peak_bytes)
+    fp32_saved = fp32.saved if fp32 is not None else None
     return {
         "precision": precision,
         "device": device,
@@ -687,8 +1042,49 @@ def build_summary(*, precision: str, device: str, batch_size: int, env_frames: i
         "speedup_vs_fp32": speedup(fp32.ms_per_update, mean_ms) if fp32 is not None else None,
         "memory_vs_fp32": ratio(state["total"], fp32.state["total"]) if fp32 is not None and state else None,
         "peak_memory_vs_fp32": peak_vs_fp32,
+        "saved_for_backward": dataclasses.asdict(saved) if saved is not None else None,
+        "saved_for_backward_vs_fp32": ratio(saved.activations, fp32_saved["activations"])
+        if saved is not None and fp32_saved is not None else None,
+        "state_groups": state_groups,
+        "state_groups_vs_fp32": group_ratios(state_groups, fp32.state_groups if fp32 is not None else None),
+        "memory_figures": MEMORY_FIGURES,
         "stopped_by": stopped_by,
     }
+
+
+#: What each memory figure of the summary and the benchmark measures.
+MEMORY_FIGURES = {
+    "peak memory": "peak of the process: on a GPU torch.cuda.max_memory_allocated (tensors only); on a CPU the "
+                   "resident-set high-water mark (the whole process: libraries, allocator caches, replay buffer, "
+                   "envs; the benchmark reports it above the fresh process's baseline)",
+    "tensor peak": "CPU: the most bytes of tensors alive at once during one full update among those it allocates "
+                   "(op outputs; pixelsac.perf.TensorPeakMeter): what torch.cuda.max_memory_allocated says on a GPU, "
+                   "less kernels' own workspaces; benchmark only",
+    "saved for backward": "bytes of the tensors autograd keeps from the forward to the backward pass in one full "
+                          "update (critic, actor, temperature), counted with torch.autograd.graph.saved_tensors_hooks: "
+                          "exact and the same on a CPU and a GPU; each storage once; parameters that autograd saves "
+                          "are left out (state counts them); 'at most ... at once' is the largest amount alive "
+                          "together",
+    "state": "parameters + optimizer state + target copies (pixelsac.precision.state_bytes), and by group: "
+             "parameters by network, optimizer state by state key, target copies by network and buffer owner "
+             "(pixelsac.perf.state_groups)",
+}
+
+
+def _fmt_saved(saved: dict[str, Any] | None, vs_fp32: float | None) -> str:
+    if not saved:
+        return "n/a"
+    dtypes = ", ".join(f"{dtype} {_fmt_bytes(n)}" for dtype, n in sorted(saved["by_dtype"].items()))
+    return (f"{_fmt_bytes(saved['activations'])} in one full update ({dtypes})" + _fmt_ratio(vs_fp32, "fp32's")
+            + f"; at most {_fmt_bytes(saved['peak_live_activations'])} at once")
+
+
+def _fmt_groups(members: dict[str, int], ratios: dict[str, float | None] | None) -> str:
+    parts = []
+    for name, nbytes in members.items():
+        r = (ratios or {}).get(name)
+        parts.append(f"{name} {_fmt_bytes(nbytes)}" + ("" if r is None else f" ({r:.2f}x)"))
+    return ", ".join(parts) or "none"
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -713,6 +1109,12 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
          f"{_fmt_bytes(state['total'])} = parameters {_fmt_bytes(state['parameters'])} + optimizer "
          f"{_fmt_bytes(state['optimizer'])} + target {_fmt_bytes(state['target'])}"
          + _fmt_ratio(summary["memory_vs_fp32"], "fp32's")),
+        *((f"state: {kind}", f"{_fmt_bytes(sum(members.values()))}"
+           + _fmt_ratio(ratio(state.get(kind), fp32["state"].get(kind)) if fp32 and state else None, "fp32's") + ": "
+           + _fmt_groups(members, (summary.get("state_groups_vs_fp32") or {}).get(kind)))
+          for kind, members in (summary.get("state_groups") or {}).items()),
+        ("saved for backward",
+         _fmt_saved(summary.get("saved_for_backward"), summary.get("saved_for_backward_vs_fp32"))),
         ("loss scales", ", ".join(f"{k} {v:g}" for k, v in summary["loss_scales"].items()) or "n/a"),
         ("skipped steps", ", ".join(f"{k} {v}" for k, v in summary["skipped"].items()) or "n/a"),
         ("best eval return", num(summary["best_eval_return"], ".1f")),
@@ -751,4 +1153,6 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
     (run_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
     lines = ["# Run summary", "", "| what | value |", "|---|---|"]
     lines += [f"| {what} | {value.replace('|', '/')} |" for what, value in summary_rows(summary)]
+    lines += ["", "Memory figures (ratios: this run ÷ the fp32 copy timed at start-up, same batch):",
+              *(f"- **{name}**: {text}" for name, text in summary.get("memory_figures", MEMORY_FIGURES).items())]
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n")

@@ -20,9 +20,9 @@ TINY = ["task=cartpole_swingup", "env.image_size=24", "agent.num_filters=4", "ag
         "agent.hidden_dim=16", "bench.batch_sizes=4", "bench.updates=2", "bench.warmup=1"]
 
 
-def row(mode, ms, state, peak=None, batch=128, variant="", kind="cuda_max_allocated", status="ok"):
+def row(mode, ms, state, peak=None, batch=128, variant="", kind="cuda_max_allocated", status="ok", **extra):
     return {"mode": mode, "batch_size": batch, "variant": variant, "ms_mean": ms, "state_bytes": state,
-            "peak_mem_bytes": peak, "peak_mem_kind": kind, "status": status}
+            "peak_mem_bytes": peak, "peak_mem_kind": kind, "status": status, **extra}
 
 
 def test_ratios_are_computed_from_the_measured_values():
@@ -46,6 +46,23 @@ def test_ratios_are_computed_from_the_measured_values():
     # what a switch buys: the same mode and batch with every switch off (its first row) / this row
     assert fp16_cl["speedup_vs_base"] == pytest.approx(16.0 / 10.0) and fp16_cl["base_variant"] == ""
     assert fp16["speedup_vs_base"] == 1.0 and failed["speedup_vs_base"] is None
+
+
+def test_memory_ratios_pair_each_emulation_form_with_fp32():
+    groups32 = {"parameters": {"critic.trunk": 400}, "optimizer": {"exp_avg": 400, "exp_avg_sq": 400}}
+    groups16 = {"parameters": {"critic.trunk": 200}, "optimizer": {"exp_avg": 200, "exp_avg_root": 200}}
+    rows = bench.add_ratios([
+        row("fp32", 40.0, 1200, saved_bytes=1000, tensor_peak_bytes=3000, state_groups=groups32),
+        row("fp16", 50.0, 800, variant="saves_fp32", speed_variant="", saved_bytes=1500, tensor_peak_bytes=2900,
+            state_groups=groups16),
+        row("fp16", 52.0, 800, variant="saves_low", speed_variant="", saved_bytes=500, tensor_peak_bytes=1800,
+            state_groups=groups16),
+    ])
+    _, old, new = rows
+    assert old["saved_vs_fp32"] == 1.5 and new["saved_vs_fp32"] == 0.5 and new["tensor_peak_vs_fp32"] == 0.6
+    assert new["speedup_vs_fp32"] == pytest.approx(40 / 52) and new["speedup_vs_base"] == pytest.approx(50 / 52)
+    assert new["state_groups_vs_fp32"] == {"parameters": {"critic.trunk": 0.5},
+                                           "optimizer": {"exp_avg": 0.5, "exp_avg_root": None}}
 
 
 def test_sync_free_is_measured_on_and_off(tmp_path):
@@ -81,12 +98,20 @@ def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
     assert by_mode["fp16"]["finite_at_end"] == "True"
     assert by_mode["fp16"]["emulated"] == "True" and by_mode["fp16-native"]["emulated"] == "False"
     assert by_mode["fp16"]["peak_mem_kind"].startswith("not measured")  # in-process on a CPU: said, not guessed
+    for r in rows:  # memory where it is spent: saved for backward and the update's tensor peak, each vs fp32
+        for key in ("saved_bytes", "tensor_peak_bytes"):
+            assert float(r[key.replace("bytes", "vs_fp32")]) == pytest.approx(int(r[key]) / int(by_mode["fp32"][key]))
+    for mode in ("fp16", "fp16-native"):  # emulated or native fp16: fp16 saved, as on a GPU
+        assert float(by_mode[mode]["saved_vs_fp32"]) <= 0.55
 
     text = (out / "bench.md").read_text()
     assert "This ran on a CPU" in text and "slower than fp32" in text and "emulated" in text
     assert "fp32-accumulate on vs off" in text  # this machine's own speed-up, fp16 emulated vs native
     assert "non-finite after update 1" in text
     assert "bytes per transition" in text
+    for what in ("saved for backward MiB (× fp32)", "tensor peak MiB", "Which memory figure is which",
+                 "saved_tensors_hooks", "State by group", "| optimizer | exp_avg_root |", "| optimizer | exp_avg_sq |"):
+        assert what in text, what
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     meta = json.loads((out / "bench.json").read_text())
     assert meta["replay"]["bytes_per_transition"] > 3 * 24 * 24 and len(meta["rows"]) == 4
@@ -99,8 +124,27 @@ def test_a_fresh_process_cell_measures_its_own_peak_rss(tmp_path):
     result = bench.run_cell_isolated(plan.cells[0])
     assert result["status"] == "ok" and result["mode"] == "fp32"
     assert result["peak_mem_kind"].startswith("rss_peak_above_baseline")
+    assert result["saved_bytes"] > 0 and result["tensor_peak_bytes"] > 0 and result["state_groups"]["parameters"]
     assert 0 < result["peak_mem_bytes"] < result["rss_peak_bytes"]
     assert not (tmp_path / "unused").exists()  # planning and measuring write nothing
+
+
+def test_the_emulations_two_forms_are_measured_apart_and_interleaved(tmp_path):
+    out = tmp_path / "bench"
+    assert bench.main([*TINY, "bench.modes=fp32,fp16", "bench.emulation_saves=both", "bench.isolate=false",
+                       f"bench.out={out}"]) == 0
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert [(r["mode"], r["variant"], r["emulation"]) for r in rows] == [
+        ("fp32", "", ""), ("fp16", "saves_fp32", "saves_fp32"), ("fp16", "saves_low", "saves_low")]
+    fp32, old, new = rows
+    assert float(new["saved_vs_fp32"]) <= 0.55 and float(old["saved_vs_fp32"]) > 1.0  # fp32 copies beside fp16
+    assert old["state_bytes"] == new["state_bytes"] and float(new["speedup_vs_fp32"]) > 0
+    meta = json.loads((out / "bench.json").read_text())
+    (interleaved,) = meta["interleaved"]
+    forms = interleaved["ms_by_form"]
+    assert interleaved["status"] == "ok" and len(forms["saves_low"]) == len(forms["saves_fp32"]) == 2
+    text = (out / "bench.md").read_text()
+    assert "interleaved update by update in one process" in text and "fp16-saving ÷ fp32-saving" in text
 
 
 def test_speed_switches_keep_the_networks_output():
@@ -137,6 +181,7 @@ def test_help_documents_every_bench_option(capsys):
     (["bench.channels_last=sideways"], "choose one of off, on, both"),
     (["bench.sync_free=maybe"], "choose one of auto, off, on, both"),
     (["bench.batch=gpu"], "choose from auto, all, host, pinned, device"),
+    (["bench.emulation_saves=fp8"], "bench.emulation_saves='fp8'; choose one of low, fp32, both"),
     (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
     (["task=cheeta_run"], "unknown task 'cheeta_run'"),
     (["bench.modes=tf32", "bench.device=cpu"], "nothing to run on a cpu: tf32: skipped"),

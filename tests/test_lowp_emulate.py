@@ -10,14 +10,19 @@ the emulation stays within ~0.5 ulp (it accumulates in fp32 and rounds once).
 from __future__ import annotations
 
 import copy
+import gc
 import time
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pixelsac.lowp import fp32_accumulate
+from pixelsac.nets import ConvTrunk, Projection
+from pixelsac.perf import SavedTensorMeter, module_state_tensors
 
 F16, F64 = torch.float16, torch.float64
 
@@ -163,3 +168,199 @@ def test_rough_speed_comparison_is_reported_not_asserted():
 
     native, emulated = timed(False), timed(True)
     print(f"small conv stack fwd+bwd: native fp16 {native * 1e3:.0f} ms, emulated {emulated * 1e3:.0f} ms")
+
+
+# --- what is saved for backward: fp16/bf16, as on a GPU, with the same values --------------------
+LOW = [torch.float16, torch.bfloat16]
+
+
+def _conv(**kw):
+    return lambda x, w, b=None: F.conv2d(x, w, b, **kw)
+
+
+# (function, input shapes); the first input is the activation, the rest are weights/bias
+OPS = {
+    "conv 3x3 stride 2 (DrQ's first)": (_conv(stride=2), [(3, 9, 20, 20), (8, 9, 3, 3), (8,)]),
+    "conv 3x3 stride 1 (DrQ's others)": (_conv(), [(3, 8, 11, 11), (8, 8, 3, 3), (8,)]),
+    "conv stride 1, no bias": (_conv(), [(3, 8, 11, 11), (8, 8, 3, 3)]),
+    "conv stride 2 padding 1, no bias": (_conv(stride=2, padding=1), [(3, 9, 12, 12), (8, 9, 3, 3)]),
+    "conv padding 1": (_conv(padding=1), [(3, 8, 9, 9), (8, 8, 3, 3), (8,)]),
+    "linear": (F.linear, [(6, 16), (7, 16), (7,)]),
+    "linear, no bias": (F.linear, [(6, 16), (7, 16)]),
+    "linear, batched leading dims": (F.linear, [(2, 3, 5, 16), (7, 16), (7,)]),
+    "linear, leading dims, no bias": (F.linear, [(2, 5, 16), (7, 16)]),
+    "matmul 3-D @ 2-D": (torch.matmul, [(2, 5, 16), (16, 7)]),
+    "matmul broadcast batch": (lambda a, b: a @ b, [(2, 1, 5, 16), (3, 16, 7)]),
+    "matmul, transposed batch (a reshape copies: kept in fp32)": (lambda a, b: a.transpose(0, 1) @ b,
+                                                                   [(5, 2, 16), (16, 7)]),
+    "bmm": (torch.bmm, [(2, 5, 16), (2, 16, 7)]),
+    "mm": (torch.mm, [(5, 16), (16, 7)]),
+    "addmm": (lambda a, b, c: torch.addmm(c, a, b), [(5, 16), (16, 7), (5, 7)]),
+}
+
+
+def _inputs(shapes, dtype, activation_grad: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(shape, generator=g).to(dtype) for shape in shapes]
+    for i, t in enumerate(tensors):
+        t.requires_grad_(i > 0 or activation_grad)  # the first conv's input (pixels) needs none
+    return tensors
+
+
+def _values_and_grads(fn, inputs, emulate, grad_seed: int = 1):
+    """Output and every input gradient of one forward/backward; emulate: None (the plain upcast
+    form written out, today's emulation) or fp32_accumulate's save_low_precision."""
+    inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    if emulate is None:
+        low = inputs[0].dtype
+        out = fn(*[t.float() for t in inputs]).to(low)
+    else:
+        with fp32_accumulate(save_low_precision=emulate):
+            out = fn(*inputs)
+    g = torch.Generator().manual_seed(grad_seed)
+    out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+    return [out.detach()] + [t.grad for t in inputs if t.requires_grad]
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("activation_grad", [True, False], ids=["input-grad", "no-input-grad"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_saving_low_precision_gives_the_plain_forms_values_and_gradients_bitwise(name, activation_grad, dtype):
+    fn, shapes = OPS[name]
+    inputs = _inputs(shapes, dtype, activation_grad)
+    plain = _values_and_grads(fn, inputs, emulate=None)
+    for form in (True, False):
+        got = _values_and_grads(fn, inputs, emulate=form)
+        assert len(got) == len(plain)
+        for what, a, b in zip(["output", *range(len(got) - 1)], got, plain):
+            assert a.dtype == dtype, (what, a.dtype)
+            assert torch.equal(a, b), (name, form, what)
+
+
+def test_a_drq_trunk_trains_bitwise_as_before():
+    """Critic encoder (convs + projection) and a Q head, through nn modules, fp16: same loss and
+    parameter gradients whether the emulation saves fp16 or fp32."""
+    torch.manual_seed(6)
+    trunk = ConvTrunk((9, 24, 24), num_filters=8, num_layers=4)
+    net = nn.Sequential(trunk, Projection(trunk.out_dim, 16), nn.Linear(16, 1)).half()
+    obs = torch.randint(0, 256, (5, 9, 24, 24)).half()
+
+    def grads(save_low: bool):
+        model = copy.deepcopy(net)
+        with fp32_accumulate(save_low_precision=save_low):
+            loss = model(obs).float().square().mean()
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in model.parameters()]
+
+    for a, b in zip(grads(True), grads(False)):
+        assert torch.equal(a, b)
+
+
+def _saved(net: nn.Module, obs: torch.Tensor, emulate):
+    meter = SavedTensorMeter(module_state_tensors(net))
+    with meter:
+        if emulate is None:
+            out = net(obs)
+        else:
+            with fp32_accumulate(save_low_precision=emulate):
+                out = net(obs)
+    out.float().sum().backward()
+    return meter.result()
+
+
+def test_a_drq_encoder_saves_half_of_fp32s_bytes_for_backward():
+    torch.manual_seed(7)
+    trunk = ConvTrunk((9, 36, 36), num_filters=16, num_layers=4)
+    encoder = nn.Sequential(trunk, Projection(trunk.out_dim, 32))
+    obs = torch.randint(0, 256, (8, 9, 36, 36)).float()
+    fp32 = _saved(encoder, obs, emulate=None)
+    encoder16 = copy.deepcopy(encoder).half()
+    fp16 = _saved(encoder16, obs.half(), emulate=True)
+    plain = _saved(encoder16, obs.half(), emulate=False)  # what the emulation saved before
+    small = 4096  # bytes: LayerNorm's per-row statistics stay fp32 (mean and rstd, 8 rows here)
+    print(f"saved for backward: fp32 {fp32.activations:,} B, fp16 {fp16.activations:,} B "
+          f"({fp16.activations / fp32.activations:.3f}x), fp16 saving fp32 copies {plain.activations:,} B")
+    assert fp32.activations > 500_000
+    assert fp16.activations <= 0.5 * fp32.activations + small
+    assert set(fp16.by_dtype) <= {"float16", "float32"} and fp16.by_dtype.get("float32", 0) <= small
+    assert plain.activations > fp32.activations  # the fp32 copies beside the fp16 ReLU outputs
+    assert fp16.state == fp32.state // 2  # the weights saved are the parameters themselves
+
+
+def test_no_fp32_copy_outlives_its_op():
+    """Every fp32 storage made while the forward runs is freed by its end."""
+    created: list[weakref.ref] = []
+
+    class Fp32Storages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.numel() > 64:
+                created.append(weakref.ref(out.untyped_storage()))
+            return out
+
+    torch.manual_seed(8)
+    trunk = ConvTrunk((9, 24, 24), num_filters=8, num_layers=3)
+    net = nn.Sequential(trunk, nn.Linear(trunk.out_dim, 16)).half()
+    obs = torch.randint(0, 256, (4, 9, 24, 24)).half()
+    for save_low, expect_kept in ((True, False), (False, True)):
+        created.clear()
+        with Fp32Storages(), fp32_accumulate(save_low_precision=save_low):
+            out = net(obs)
+        gc.collect()
+        kept = [ref for ref in created if ref() is not None]
+        assert created and bool(kept) == expect_kept, (save_low, len(kept))
+        out.float().sum().backward()
+
+
+def test_autograd_checks_still_apply():
+    torch.manual_seed(9)
+    x = torch.randn(4, 8).half().requires_grad_()
+    w = torch.randn(3, 8).half().requires_grad_()
+    with fp32_accumulate():
+        y = F.linear(x * 1, w)
+    first = torch.autograd.grad(y.sum(), [x, w], retain_graph=True)
+    again = torch.autograd.grad(y.sum(), [x, w], retain_graph=True)  # a retained graph replays
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+
+    with fp32_accumulate():
+        h = x * 1
+        y = F.linear(h, w)
+    with torch.no_grad():
+        h.add_(1)  # modifying a tensor saved for backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    with fp32_accumulate():
+        y = F.linear(x, w)
+    (gx,) = torch.autograd.grad(y.square().sum(), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.float().sum().backward()
+    with fp32_accumulate(save_low_precision=False):  # the plain form supports double backward
+        y = F.linear(x, w)
+    (gx,) = torch.autograd.grad(y.square().sum(), [x], create_graph=True)
+    gx.float().sum().backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+def test_a_dropped_graph_frees_what_the_ops_saved():
+    torch.manual_seed(11)
+    w = torch.randn(3, 8).half().requires_grad_()
+    h = torch.randn(4, 8).half() * 1
+    freed = []
+    weakref.finalize(h.untyped_storage(), freed.append, True)
+    with fp32_accumulate():
+        y = F.linear(h, w).detach()
+    del h
+    gc.collect()
+    assert freed and y.shape == (4, 3)
+
+
+def test_without_grad_nothing_is_recorded():
+    torch.manual_seed(10)
+    x, w = torch.randn(4, 8).half(), torch.randn(3, 8).half().requires_grad_()
+    with torch.no_grad(), fp32_accumulate():
+        y = F.linear(x, w)
+    assert y.grad_fn is None and torch.equal(y, F.linear(x.float(), w.float()).half())

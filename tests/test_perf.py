@@ -1,6 +1,7 @@
 """Throughput and memory tracking: the clock, the memory probe, the fp32 calibration and the
 run callback's logs and summary -- on a tiny agent fitted on synthetic batches, no environment."""
 
+import gc
 import json
 import math
 import mmap
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from pixelsac import perf
 from pixelsac.config import load_config, to_plain
 from pixelsac.module import SACModule
+from pixelsac.precision import state_bytes
 
 OBS_SHAPE = (9, 24, 24)
 ACTION_DIM = 2
@@ -117,6 +119,108 @@ def test_time_updates_leaves_the_callers_random_stream_alone():
     assert timed.finite_after_first and timed.finite_at_end
     assert timed.peak_bytes is None  # no per-run peak is measurable in-process on a CPU
     assert timed.state["total"] == timed.state["parameters"] + timed.state["optimizer"] + timed.state["target"]
+    assert timed.saved.activations > 0 and timed.saved.by_dtype.keys() >= {"float32"}
+    assert timed.tensor_peak_bytes >= timed.saved.peak_live_activations > 0
+    assert {kind: sum(groups.values()) for kind, groups in timed.state_groups.items()} == \
+        {k: v for k, v in timed.state.items() if k != "total"}
+
+
+def test_saved_tensor_meter_counts_each_storage_once_and_state_apart():
+    weight = torch.nn.Parameter(torch.randn(1000))                 # state: 4,000 B
+    x = torch.randn(1000, requires_grad=True)                       # 4,000 B
+    meter = perf.SavedTensorMeter(state=[weight])
+    with meter:
+        a = x.sin()                   # saves x
+        b = x[:500].cos()             # saves a view of x: the same storage
+        c = a * weight                # saves a (4,000 B, new) and the weight (state)
+        d = x.half().exp()            # saves its fp16 result (2,000 B)
+    saved = meter.result()
+    assert saved.activations == 4000 + 4000 + 2000 and saved.state == 4000 and saved.tensors == 5
+    assert saved.by_dtype == {"float32": 8000, "float16": 2000}
+    assert saved.peak_live_activations == 10_000
+    (c.sum() + b.sum() + d.float().sum()).backward()  # frees every saved tensor ...
+    assert meter._live == {} and meter._live_bytes == 0
+    x2 = x.detach().clone().requires_grad_()
+    (((x2.sin() * weight).sum() + x2[:500].cos().sum() + x2.half().exp().float().sum())).backward()
+    assert torch.equal(x.grad, x2.grad)  # ... and the hooks changed no value
+    with meter:
+        e = x.sin()  # x is still alive: the same storage, not counted again
+    assert meter.result().activations == 10_000
+    del e
+
+
+def test_saved_tensor_meter_lets_a_dropped_graph_go():
+    """A graph no backward runs through (SACModule's detached trunk pass for the actor) is freed
+    when dropped: the meter keeps no reference cycle through the saved outputs."""
+    x = torch.randn(1000, requires_grad=True)
+    meter = perf.SavedTensorMeter()
+    with meter:
+        y = torch.relu(x * 2).tanh().detach()   # relu and tanh save their outputs
+    gc.collect()
+    assert meter.result().activations == 8000 and meter._live == {} and y.shape == x.shape
+
+
+class _ToyOptimizer(torch.optim.Optimizer):
+    """Keeps a state tensor under a name no list knows, and a scalar step."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state.setdefault("step", torch.tensor(0.0))
+                state.setdefault("rounding_residual", torch.zeros_like(p))
+
+
+def test_state_groups_follow_what_the_module_and_optimizers_hold():
+    class Agent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.actor = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+            self.critic = torch.nn.Linear(4, 1)
+            self.critic_target = torch.nn.Linear(4, 1).requires_grad_(False)
+            self.extra = torch.nn.Module()
+            self.extra.register_buffer("scaled", torch.zeros(10))
+            self.extra.register_buffer("counter", torch.zeros(3, dtype=torch.int64))  # not floating: not state
+
+    agent = Agent()
+    opt = _ToyOptimizer([*agent.actor.parameters(), *agent.critic.parameters()])
+    opt.step()
+    groups = perf.state_groups(agent, [opt])
+    assert groups == {
+        "parameters": {"actor.0": (32 + 8) * 4, "actor.1": (16 + 2) * 4, "critic.weight": 16, "critic.bias": 4},
+        "optimizer": {"rounding_residual": (40 + 18 + 5) * 4},  # the scalar step is left out
+        "target": {"critic_target": 20, "extra": 40},
+    }
+    totals = state_bytes(agent, [opt])
+    assert {kind: sum(g.values()) for kind, g in groups.items()} == {k: v for k, v in totals.items() if k != "total"}
+    ratios = perf.group_ratios(groups, {"parameters": {"actor.0": 80}, "optimizer": {}})
+    assert ratios["parameters"]["actor.0"] == 2.0 and ratios["parameters"]["critic.bias"] is None
+    assert ratios["target"] == {"critic_target": None, "extra": None}
+
+
+def test_tensor_peak_meter_sees_what_an_update_allocates():
+    x = torch.randn(1000)
+    with perf.TensorPeakMeter() as meter:
+        a = x * 2                        # 4,000 B, alive
+        b = (a * 3).sum()                # 4,000 B alive until the sum (4 B) has run
+        a.mul_(2)                        # in place: nothing new
+        view = a[:10]                    # a view: nothing new
+        del a, view                      # freed
+        c = torch.empty(500)             # 2,000 B
+    assert meter.peak == 4000 + 4000 + 4
+    assert meter._bytes == 4 + 2000 and b.numel() == 1 and c.numel() == 500
+
+
+def test_interleaved_forms_give_each_form_even_and_odd_updates():
+    forms = perf.interleaved_forms(warmup=2, updates=8)
+    assert forms[:2] == [True, False]
+    timed = forms[2:]
+    for flag in (True, False):
+        updates = [i + 2 for i, f in enumerate(timed) if f == flag]
+        assert len(updates) == 4 and sum(u % 2 for u in updates) == 2
 
 
 def test_fp32_reference_config_resets_every_switch():
@@ -188,10 +292,13 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
              "perf/state_bytes", "perf/state_bytes_parameters", "perf/state_bytes_optimizer",
              "perf/state_bytes_target", "perf/speedup_vs_fp32", "perf/memory_vs_fp32",
              "lowp/loss_scale_critic", "lowp/loss_scale_actor", "lowp/loss_scale_alpha",
-             "lowp/skipped_critic", "lowp/skipped_actor", "lowp/skipped_alpha", "env_frames", "updates"}
+             "lowp/skipped_critic", "lowp/skipped_actor", "lowp/skipped_alpha", "env_frames", "updates",
+             "perf/saved_for_backward_bytes", "perf/saved_for_backward_vs_fp32", "perf/state_bytes_optimizer/exp_avg",
+             "perf/state_bytes_parameters/critic.trunk"}
     fp32_ms, fp32_bytes = calibration[0]["perf/fp32_ms_per_update"], calibration[0]["perf/fp32_state_bytes"]
     for step, row in intervals:
         assert named <= set(row), named - set(row)
+        assert any(key.startswith("perf/state_bytes_target/") for key in row)  # target copies by group
         assert row["env_frames"] == step
         # collecting (a 1000 s jump of the stand-in clock per env step) is not part of an update
         assert 0 < row["perf/ms_per_update"] < FETCH_SECONDS * 1e3
@@ -199,6 +306,9 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
         assert row["perf/memory_vs_fp32"] == pytest.approx(row["perf/state_bytes"] / fp32_bytes)
         assert row["perf/memory_vs_fp32"] < 1  # fp16 + six holds fewer bytes than fp32 Adam, Kahan buffers included
         assert row["perf/peak_rss_mib"] > 0
+        assert row["perf/saved_for_backward_vs_fp32"] == pytest.approx(
+            row["perf/saved_for_backward_bytes"] / calibration[0]["perf/fp32_saved_for_backward_bytes"])
+        assert row["perf/saved_for_backward_vs_fp32"] <= 0.55  # fp16 saves half of fp32's bytes
     assert module.updates == 5 and len(tracker._ms_all) == 4  # the first live update is warm-up
 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -209,8 +319,18 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
     assert summary["peak_memory_kind"].startswith("rss_high_water") and summary["peak_memory_bytes"] > 0
     assert set(summary["loss_scales"]) == set(summary["skipped"]) == {"critic", "actor", "alpha"}
     assert summary["best_eval_return"] is None  # no Evaluator in this fit
+    saved, fp32_saved = summary["saved_for_backward"], summary["fp32"]["saved"]
+    assert saved["activations"] > 0 and saved["by_dtype"].get("float32", 0) < saved["by_dtype"]["float16"]
+    assert summary["saved_for_backward_vs_fp32"] == pytest.approx(saved["activations"] / fp32_saved["activations"])
+    groups, fp32_groups = summary["state_groups"], summary["fp32"]["state_groups"]
+    assert {k: sum(g.values()) for k, g in groups.items()} == \
+        {k: v for k, v in summary["state_bytes"].items() if k != "total"}
+    assert summary["state_groups_vs_fp32"]["parameters"]["critic.trunk"] == pytest.approx(
+        groups["parameters"]["critic.trunk"] / fp32_groups["parameters"]["critic.trunk"]) == 0.5
+    assert "exp_avg_sq" in fp32_groups["optimizer"] and set(summary["memory_figures"]) >= {"peak memory", "state"}
     markdown = (tmp_path / "run" / "summary.md").read_text()
-    for what in ("ms / update", "speed-up", "peak memory", "state bytes", "loss scales", "skipped steps"):
+    for what in ("ms / update", "speed-up", "peak memory", "state bytes", "loss scales", "skipped steps",
+                 "state: optimizer", "saved for backward", "Memory figures", "saved_tensors_hooks"):
         assert what in markdown
     printed = capsys.readouterr().out
     assert "perf summary:" in printed and "fp32 reference" in printed and "resident-set" in printed

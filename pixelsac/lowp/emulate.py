@@ -9,6 +9,16 @@ is untouched and stays genuinely low precision.
 
 Autograd flows through the casts: the backward of the convolution/matmul runs in fp32 and
 its input gradients are rounded to the leaves' fp16/bf16 dtype, again as on a GPU.
+
+What is kept for backward is what a GPU keeps, too. Written as plain autograd,
+``conv2d(x.float(), w.float()).half()`` would save the fp32 copies ``x.float()`` and
+``w.float()``: 4 bytes per element beside the fp16 activation that the previous op (a ReLU)
+saves anyway, 6 bytes where a GPU keeps 2 -- more activation memory than fp32 itself. Here each
+op runs as one autograd node (:class:`_Fp32Accumulated`) that saves the fp16/bf16 inputs and
+re-creates their fp32 copies only inside its backward. The fp32 kernel and its autograd
+formula are the very ones the plain form runs (the backward is that graph's own, replayed on
+re-created copies that equal the forward's bit for bit, since ``float(x16)`` is exact), so
+outputs and gradients are bitwise those of the plain form; fp32 buffers live for one op.
 """
 
 from __future__ import annotations
@@ -19,8 +29,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.autograd.graph import get_gradient_edge, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["fp32_accumulate", "ACCUMULATING_OPS"]
 
@@ -74,7 +86,150 @@ def _upcast(value: Any) -> Any:
     return value
 
 
+# A packed save: ("upcast", slot, size, stride, storage offset) or ("kept", index).
+_Packed = tuple
+
+
+class _SavedLow:
+    """What one emulated op keeps for backward, built by saved-tensor hooks around its fp32 call.
+
+    A tensor the fp32 op saves that lies in the storage of an upcast input (the copy itself, or a
+    view such as ``w.float().t()`` inside ``F.linear``) is replaced by the input's slot and the
+    view's geometry; the low-precision input itself goes through ``ctx.save_for_backward``. Any
+    other saved tensor (none for the ops above with dense inputs; e.g. a reshape that had to
+    copy) is kept as it is, also through ``ctx``. Through ``ctx`` the usual in-place
+    modification checks apply, and outer ``saved_tensors_hooks`` (memory meters, offloading)
+    see exactly what the op keeps.
+    """
+
+    def __init__(self, upcasts: dict[int, torch.Tensor]) -> None:
+        # storage address -> (input index, the upcast's size and strides); the upcasts are all
+        # alive while the op runs, so addresses are unique here
+        self._by_storage = {u.untyped_storage().data_ptr(): (i, tuple(u.size()), tuple(u.stride()))
+                            for i, u in upcasts.items() if u.untyped_storage().nbytes() > 0}
+        self.slots: list[int] = []             # input index of each low-precision tensor saved
+        self.geometry: list[tuple] = []        # its upcast's (size, stride)
+        self._slot_of: dict[int, int] = {}
+        self.kept: list[torch.Tensor] | None = []
+        self._saved: tuple[torch.Tensor, ...] | None = None   # set during backward only
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def pack(self, tensor: torch.Tensor) -> _Packed:
+        source = None
+        if tensor.dtype == torch.float32 and tensor.layout == torch.strided:
+            source = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        if source is None:
+            self.kept.append(tensor)
+            return ("kept", len(self.kept) - 1)
+        index, size, stride = source
+        slot = self._slot_of.get(index)
+        if slot is None:
+            slot = self._slot_of[index] = len(self.slots)
+            self.slots.append(index)
+            self.geometry.append((size, stride))
+        return ("upcast", slot, tuple(tensor.size()), tuple(tensor.stride()), tensor.storage_offset())
+
+    def unpack(self, packed: _Packed) -> torch.Tensor:
+        if self._saved is None:
+            raise RuntimeError("fp32_accumulate: a saved tensor was read outside the op's backward")
+        if packed[0] == "kept":
+            return self._saved[len(self.slots) + packed[1]]
+        _, slot, size, stride, offset = packed
+        copy = self._copies.get(slot)
+        if copy is None:
+            # The forward's upcast had exactly this layout (a dense copy of the input), and
+            # float(x16) is exact: these are its bits again, whatever layout the saved low
+            # tensor comes back in.
+            low = self._saved[slot]
+            copy_size, copy_stride = self.geometry[slot]
+            copy = torch.empty_strided(copy_size, copy_stride, dtype=torch.float32, device=low.device)
+            copy.copy_(low)
+            self._copies[slot] = copy
+        if size == tuple(copy.size()) and stride == tuple(copy.stride()) and offset == 0:
+            return copy
+        return copy.as_strided(size, stride, offset)
+
+    def open(self, saved: tuple[torch.Tensor, ...]) -> None:
+        self._saved = saved
+
+    def close(self) -> None:
+        self._saved = None
+        self._copies = {}
+
+
+class _Fp32Accumulated(torch.autograd.Function):
+    """``func(*upcast inputs).to(low)`` as one autograd node that saves low-precision tensors.
+
+    Forward builds, with grad enabled, the very graph plain autograd would build for the upcast
+    form -- ``x16 → float() → func → to(low)`` -- but with every save of the fp32 op redirected
+    through :class:`_SavedLow`; then it keeps only that graph's nodes (no tensors) and returns the
+    output detached. Backward replays the inner graph with ``torch.autograd.grad`` from the
+    output's edge to the upcasts' edges, re-creating each fp32 copy when the op's backward reads
+    it, and rounds the input gradients to ``low`` as the upcast's own backward would.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, func: Callable, spec: Any, template: list, low: torch.dtype,
+                *tensors: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            upcasts = {i: t.float() for i, t in enumerate(tensors) if t.dtype == low}
+            leaves = list(template)
+            positions = [i for i, leaf in enumerate(template) if leaf is _TENSOR]
+            for position, (i, tensor) in zip(positions, enumerate(tensors)):
+                leaves[position] = upcasts.get(i, tensor)
+            args, kwargs = tree_unflatten(leaves, spec)
+            saved = _SavedLow(upcasts)
+            with saved_tensors_hooks(saved.pack, saved.unpack):
+                out = func(*args, **kwargs).to(low)
+            ctx.input_edges = {i: get_gradient_edge(u) for i, u in upcasts.items() if u.requires_grad}
+        ctx.saved = saved
+        ctx.low = low
+        ctx.out_edge = get_gradient_edge(out) if out.requires_grad else None
+        ctx.count = len(tensors)
+        ctx.save_for_backward(*(tensors[i] for i in saved.slots), *saved.kept)
+        saved.kept = None  # from here on only ctx holds them
+        return out.detach()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads: list[torch.Tensor | None] = [None] * ctx.count
+        wanted = [i for i in ctx.input_edges if ctx.needs_input_grad[4 + i]]
+        if ctx.out_edge is not None and wanted:
+            ctx.saved.open(ctx.saved_tensors)
+            try:
+                # retain_graph: the inner nodes hold only packed references (the tensors live in
+                # ctx), and a second outer backward must fail or succeed as ctx's tensors decide
+                found = torch.autograd.grad([ctx.out_edge], [ctx.input_edges[i] for i in wanted], [grad_out],
+                                            retain_graph=True, allow_unused=True)
+            finally:
+                ctx.saved.close()
+            for i, grad in zip(wanted, found):
+                # what the upcast's backward (ToCopyBackward) does with the fp32 gradient
+                grads[i] = None if grad is None else grad.to(ctx.low)
+        return (None, None, None, None, *grads)
+
+
+class _TensorSlot:
+    def __repr__(self) -> str:
+        return "<tensor>"
+
+
+_TENSOR = _TensorSlot()
+
+
+def _emulate_saving_low(func: Callable, args: tuple, kwargs: dict, low: torch.dtype) -> Any:
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    template = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return _Fp32Accumulated.apply(func, spec, template, low, *tensors)
+
+
 class _Fp32AccumulateMode(TorchFunctionMode):
+    def __init__(self, save_low_precision: bool = True) -> None:
+        super().__init__()
+        self.save_low_precision = save_low_precision
+
     def __torch_function__(
         self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
@@ -84,19 +239,32 @@ class _Fp32AccumulateMode(TorchFunctionMode):
             low_dtype = _common_low_dtype(args, kwargs)
             if low_dtype is not None:
                 # The mode is disabled inside this handler, so these calls are not re-intercepted.
-                result = func(*tree_map(_upcast, args), **tree_map(_upcast, kwargs))
-                return result.to(low_dtype)
+                leaves = tree_flatten((args, kwargs))[0]
+                if self.save_low_precision and torch.is_grad_enabled() and any(
+                        isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
+                    return _emulate_saving_low(func, args, kwargs, low_dtype)
+                # Nothing to save (no grad), or the plain form asked for.
+                return func(*tree_map(_upcast, args), **tree_map(_upcast, kwargs)).to(low_dtype)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def fp32_accumulate() -> Iterator[None]:
+def fp32_accumulate(save_low_precision: bool = True) -> Iterator[None]:
     """Within this context, fp16/bf16 convolutions and matmuls accumulate in fp32.
 
     Inputs are upcast, the fp32 kernel runs, and the output is rounded back to the inputs'
     dtype: the result differs from a native CPU fp16 kernel by at most an ulp or so (that
     kernel may round partial sums) and matches GPU tensor-core semantics. Ops whose floating
     inputs are fp32 (or mixed) are passed through unchanged.
+
+    Args:
+        save_low_precision: save the fp16/bf16 inputs for backward and re-create their fp32
+            copies inside the backward (as a GPU keeps fp16 activations). False saves the fp32
+            copies for the whole forward-to-backward span, as plain autograd on the upcast form
+            does: the same values and gradients bit for bit, more memory (6 bytes per activation
+            element with the ReLU's own fp16 save, against fp32's 4), slightly less Python work
+            per op, and double backward (``create_graph=True``) through these ops, which the
+            default form refuses.
     """
-    with _Fp32AccumulateMode():
+    with _Fp32AccumulateMode(save_low_precision):
         yield
