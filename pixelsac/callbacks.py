@@ -18,9 +18,11 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pixelsac.collect import Collector, run_episodes
 from pixelsac.envs import DMCEnv
+from pixelsac.stopping import StopRequest
 from pixelsac.video import EpisodeRecorder
 
 
@@ -86,12 +88,20 @@ class StopWhenCollected(L.Callback):
 class Evaluator(L.Callback):
     """Every ``every_frames`` env frames (and at the end): deterministic episodes on a separate
     environment, ``eval/return`` logged, and a checkpoint requested from the :class:`Checkpointer`
-    (``best`` too when the return improved)."""
+    (``best`` too when the return improved).
+
+    With a ``stop`` request, a stop signal makes an evaluation in progress give up (it can take
+    minutes): nothing is logged, the eval environment's RNG goes back to where the evaluation
+    began, and the evaluation stays due. The run then stops right there (``stop.save_now``), so
+    its checkpoint holds the weights the evaluation was for, and the resumed run evaluates first
+    (:meth:`on_train_start`) -- the same episodes, the same return, the row the run would have
+    logged. A final evaluation given up this way is what ``resume`` then runs.
+    """
 
     def __init__(self, env: DMCEnv, collector: Collector, checkpointer: "Checkpointer",
                  every_frames: int, episodes: int, video_dir: Path | None = None,
-                 video_every_evals: int = 0, video_size: int = 256) -> None:
-        self.env, self.collector, self.checkpointer = env, collector, checkpointer
+                 video_every_evals: int = 0, video_size: int = 256, stop: StopRequest | None = None) -> None:
+        self.env, self.collector, self.checkpointer, self.stop = env, collector, checkpointer, stop
         self.every_frames, self.episodes = every_frames, episodes
         self.video_dir, self.video_every_evals, self.video_size = video_dir, video_every_evals, video_size
         self.next_eval = every_frames
@@ -110,41 +120,71 @@ class Evaluator(L.Callback):
         self.evaluations = int(state.get("evaluations", 0))
         self.env.set_rng_state(state["env_rng"])
 
+    def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
+        """An evaluation that a stop gave up on runs now, before any update changes the weights."""
+        if self.collector.total_env_frames >= self.next_eval:
+            self._evaluate_due(trainer, module)
+            if self.collector.at_episode_boundary:  # as the uninterrupted run saved right after it
+                self.checkpointer.save_pending(trainer, module)
+
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.collector.total_env_frames >= self.next_eval:
-            self.checkpointer.request(best=self.evaluate(trainer, module))
-            while self.next_eval <= self.collector.total_env_frames:
-                self.next_eval += self.every_frames
+            self._evaluate_due(trainer, module)
+
+    def _evaluate_due(self, trainer: L.Trainer, module: Any) -> None:
+        best = self.evaluate(trainer, module)
+        if best is None:
+            return  # given up on a stop signal: still due, and the run stops here
+        self.checkpointer.request(best=best)
+        while self.next_eval <= self.collector.total_env_frames:
+            self.next_eval += self.every_frames
 
     def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
+        if self.stop is not None and self.stop.stopped:
+            return  # stopped by a signal, saved by StopOnSignal: the final evaluation is for the real end
         best = self.evaluate(trainer, module) if self.collector.total_env_frames != self.last_eval_frames else False
-        self.checkpointer.request(best=best)
+        if best is None and self.stop is not None:
+            self.stop.gave_up_final_evaluation = True  # saved below all the same; a resume runs it
+        self.checkpointer.request(best=bool(best))
         self.checkpointer.save_pending(trainer, module)  # at the end, boundary or not
 
-    def evaluate(self, trainer: L.Trainer, module: Any) -> bool:
-        """Run the eval episodes; True when the mean return is the best so far (on every rank)."""
+    def evaluate(self, trainer: L.Trainer, module: Any) -> bool | None:
+        """Run the eval episodes; True when the mean return is the best so far (on every rank).
+        None (on every rank) when rank 0 gave up on a stop signal: no trace left, still due."""
         frames = self.collector.total_env_frames
-        self.last_eval_frames = frames
         if self.episodes <= 0:
+            self.last_eval_frames = frames
             return False
+        zero = trainer.is_global_zero
         start = time.perf_counter()
+        env_rng = self.env.get_rng_state() if zero and self.stop is not None else None
+        film = bool(self.video_dir and self.video_every_evals
+                    and (self.evaluations + 1) % self.video_every_evals == 1 % self.video_every_evals)
+        recorder = EpisodeRecorder(size=self.video_size, episodes={0}) if film and zero else None
+        abandon = (lambda: self.stop.pending) if self.stop is not None else None
+        returns = run_episodes(self.env, module.act, self.episodes, on_frame=recorder,
+                               should_abandon=abandon) if zero else [math.nan]
+        mean = math.nan if returns is None else float(np.mean(returns))
+        # only rank 0 evaluates; every rank must agree on saving (saving is collective)
+        gave_up, improved, mean = trainer.strategy.broadcast((returns is None, mean > self.best_return, mean), src=0)
+        if gave_up:
+            if env_rng is not None:
+                self.env.set_rng_state(env_rng)  # the resumed run plays the same episodes
+            if self.stop is not None:
+                self.stop.save_now = True
+            return None
+        self.last_eval_frames = frames
         self.evaluations += 1
-        film = bool(self.video_dir and self.video_every_evals and self.evaluations % self.video_every_evals == 1 % self.video_every_evals)
-        recorder = EpisodeRecorder(size=self.video_size, episodes={0}) if film and trainer.is_global_zero else None
-        returns = run_episodes(self.env, module.act, self.episodes, on_frame=recorder) if trainer.is_global_zero else [math.nan]
         if recorder is not None:
             recorder.save(self.video_dir / f"eval_{frames:09d}.mp4")
-        mean = float(np.mean(returns))
-        if trainer.is_global_zero:
+        if zero:
             _log(trainer, {"eval/return": mean, "eval/return_std": float(np.std(returns)),
                            "eval/seconds": time.perf_counter() - start, **_counters(self.collector, module)}, step=frames)
             for logger in trainer.loggers:
                 logger.save()
-        # only rank 0 evaluates; every rank must agree on saving (saving is collective)
-        improved = bool(trainer.strategy.broadcast(mean > self.best_return, src=0))
         if improved:
-            self.best_return = float(trainer.strategy.broadcast(mean, src=0))
-        return improved
+            self.best_return = float(mean)
+        return bool(improved)
 
 
 class Checkpointer(L.Callback):
@@ -157,10 +197,21 @@ class Checkpointer(L.Callback):
     from it reproduces the uninterrupted run bit for bit (CPU, deterministic settings). Files
     are written under a temporary name, fsynced and renamed, so a crash mid-write leaves the
     previous checkpoint intact; a checkpoint whose weights are not finite is never written.
+
+    Under data parallelism every rank collects its own experience with its own RNG streams, so
+    every rank's collection state goes into the checkpoint (``ranks``, gathered to rank 0, which
+    writes the file) and every rank writes its own replay file (``replay-<step>-rank<r>.pt``
+    beside rank 0's ``replay-<step>.pt``; the run directory must be on a filesystem all ranks
+    share). A resume needs the same number of ranks, each taking back its own state.
+
+    With a ``stop`` request, ``stop.saving`` is on while files are written: a stop signal then
+    (the second one) exits at once rather than after the write (see :mod:`pixelsac.stopping`).
     """
 
-    def __init__(self, run_dir: Path, collector: Collector, save_replay: bool, max_wait_steps: int = 10**9) -> None:
+    def __init__(self, run_dir: Path, collector: Collector, save_replay: bool, max_wait_steps: int = 10**9,
+                 stop: StopRequest | None = None) -> None:
         self.folder = Path(run_dir) / "checkpoints"
+        self.stop = stop
         self.collector = collector
         self.save_replay = save_replay
         # with several envs whose episodes end at different times (terminations), a common
@@ -170,9 +221,23 @@ class Checkpointer(L.Callback):
         self._pending: set[str] = set()
         self._replay_file: str | None = None
         self.restored_replay: str | None = None
+        self.saved_at: tuple[int, int] | None = None  # (agent steps, updates) of the last last.ckpt written
+        self.stopped_by: str | None = None  # the signal whose stop the next checkpoint records
+        self._rank, self._world = 0, 1
+
+    @property
+    def last_path(self) -> Path:
+        return self.folder / "last.ckpt"
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._rank, self._world = trainer.global_rank, trainer.world_size
+
+    def _replay_name(self, rank: int) -> str:
+        suffix = f"-rank{rank}" if rank else ""
+        return f"replay-{self.collector.agent_steps:010d}{suffix}.pt"
 
     # --- what a checkpoint holds (Lightning stores it under this callback's key) -----------------
-    def state_dict(self) -> dict[str, Any]:
+    def _own_state(self) -> dict[str, Any]:
         cuda = [t for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
         return {
             "collector": self.collector.state_dict(),
@@ -181,7 +246,24 @@ class Checkpointer(L.Callback):
             "replay_file": self._replay_file,
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's collection state (rank 0's at the top level, as with one process), every
+        rank's under ``ranks`` when there are several, and the signal that stopped the run."""
+        state = self._own_state()
+        if self._world > 1 and dist.is_available() and dist.is_initialized():
+            ranks: list[Any] = [None] * self._world
+            dist.all_gather_object(ranks, state)  # collective: Lightning builds the checkpoint on every rank
+            state = {**ranks[0], "ranks": ranks}
+        state["stopped_by"] = self.stopped_by
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        ranks = state.get("ranks")
+        if ranks is not None and len(ranks) != self._world:
+            raise ValueError(f"the checkpoint holds the collection state of {len(ranks)} ranks; this run has "
+                             f"{self._world} (trainer.devices x trainer.num_nodes must match to resume)")
+        if ranks is not None:
+            state = ranks[self._rank]
         self.collector.load_state_dict(state["collector"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] and torch.cuda.is_available():
@@ -208,11 +290,12 @@ class Checkpointer(L.Callback):
         if self._pending and (self.collector.at_episode_boundary or waited > self.max_wait_steps):
             self.save_pending(trainer, module)
 
-    def save_pending(self, trainer: L.Trainer, module: Any) -> None:
+    def save_pending(self, trainer: L.Trainer, module: Any) -> bool:
+        """Write what was requested now, boundary or not; False when nothing was written."""
         if not self._pending:
-            return
+            return False
         names, self._pending = sorted(self._pending, reverse=True), set()  # last before best
-        self.save(trainer, module, names)
+        return self.save(trainer, module, names)
 
     def on_exception(self, trainer: L.Trainer, module: Any, exception: BaseException) -> None:
         """On a numerical failure with finite weights (a collapsed loss scale), keep that state."""
@@ -227,26 +310,42 @@ class Checkpointer(L.Callback):
                 exception.checkpoint = str(self.folder / "last.ckpt")
 
     # --- how --------------------------------------------------------------------------------------
-    def save(self, trainer: L.Trainer, module: Any, names: list[str]) -> None:
+    def save(self, trainer: L.Trainer, module: Any, names: list[str]) -> bool:
+        """Write ``names`` (collective: every rank calls it); False when the weights are not finite."""
         if not module.weights_are_finite():
-            return  # never write a checkpoint that cannot be trained on; the health check reports it
+            return False  # never write a checkpoint that cannot be trained on; the health check reports it
+        if self.stop is None:
+            return self._write(trainer, module, names)
+        self.stop.saving = True
+        try:
+            return self._write(trainer, module, names)
+        finally:
+            self.stop.saving = False
+
+    def _write(self, trainer: L.Trainer, module: Any, names: list[str]) -> bool:
         zero = trainer.is_global_zero
-        if zero:
+        replay = self.save_replay and "last.ckpt" in names
+        if zero or replay:
             self.folder.mkdir(parents=True, exist_ok=True)
-        if self.save_replay and "last.ckpt" in names and zero:
-            self._replay_file = f"replay-{self.collector.agent_steps:010d}.pt"
+        if replay:  # every rank its own, before the checkpoint that names them
+            self._replay_file = self._replay_name(trainer.global_rank)
             _atomic_torch_save(self.collector.replay.state_dict(), self.folder / self._replay_file)
         for name in names:
             path = self.folder / name
             tmp = path.with_name(f".{name}.tmp")
-            trainer.save_checkpoint(tmp, weights_only=False)  # collective: every rank calls it
+            trainer.save_checkpoint(tmp, weights_only=False)  # collective, and ends with a barrier
             if zero:
                 _fsync_and_replace(tmp, path)
-        if zero and self.save_replay and "last.ckpt" in names:
-            # earlier replay files belonged to earlier last.ckpt files (or to a save cut short)
-            for stale in self.folder.glob("replay-*.pt"):
-                if stale.name != self._replay_file:
+        if "last.ckpt" in names:
+            self.saved_at = (self.collector.agent_steps, module.updates)
+        if zero and replay:
+            # earlier replay files belonged to earlier last.ckpt files (or to a save cut short);
+            # every rank has written its current one: save_checkpoint's barrier came after
+            current = {self._replay_name(rank) for rank in range(trainer.world_size)}
+            for stale in [*self.folder.glob("replay-*.pt"), *self.folder.glob(".replay-*.pt.tmp")]:
+                if stale.name not in current:
                     stale.unlink(missing_ok=True)
+        return True
 
 
 def _fsync_and_replace(tmp: Path, path: Path) -> None:

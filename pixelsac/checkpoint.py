@@ -10,13 +10,17 @@ at the command line).
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-#: Bumped when the checkpoint layout changes incompatibly.
-FORMAT_VERSION = 1
+#: Bumped when the checkpoint layout changes. 2: the target critic may be derived
+#: (``lowp.derived_target``: no ``critic_target.*`` keys, ``target_updater.updates_applied``).
+FORMAT_VERSION = 2
+#: Formats this version still reads (SACModule converts a stored target to a derived one and back).
+READABLE_FORMATS = (1, 2)
 
 
 class CheckpointError(ValueError):
@@ -59,6 +63,53 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", trust: bool
     return validate(checkpoint, file)
 
 
+def in_run_dir(run_dir: Path) -> Path | None:
+    """``run_dir``'s checkpoint to resume from (``checkpoints/last.ckpt``, else ``best.ckpt``), or
+    None: nothing to resume (``resume=auto`` then starts a fresh run)."""
+    for name in ("last.ckpt", "best.ckpt"):
+        if (run_dir / "checkpoints" / name).is_file():
+            return run_dir / "checkpoints" / name
+    return None
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run starts, read from its checkpoint before anything is built."""
+
+    checkpoint: Path
+    env_frames: int  # collected by all ranks together (what logs count)
+    world_size: int | None  # data-parallel ranks that wrote it (None: written before this was recorded)
+    exact: bool  # taken at an episode boundary: the continuation is the uninterrupted run's
+    final_eval_done: bool  # the evaluation at its last frame ran (the end of a run evaluates once more)
+    stopped_by: str | None  # the signal whose stop wrote it
+
+    def finished(self, budget_frames: int) -> bool:
+        """Nothing left to do for a budget of ``budget_frames`` env frames."""
+        return self.env_frames >= budget_frames and self.final_eval_done
+
+    def describe(self) -> str:
+        how = "" if self.stopped_by is None else f", saved on {self.stopped_by}"
+        if not self.exact:
+            how += ", mid-episode: new episodes start"
+        return f"resuming from {self.checkpoint} at env frame {self.env_frames}{how}"
+
+
+def resume_point(file: Path, checkpoint: dict[str, Any]) -> ResumePoint:
+    """What a loaded checkpoint says about resuming from it (frames are totals over ranks)."""
+    try:
+        saved = checkpoint["callbacks"]["Checkpointer"]
+        collected = saved["collector"]
+        frames = int(collected["env_frames"])
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{file} holds no training state to resume from") from None
+    world = collected.get("world_size", len(saved["ranks"]) if saved.get("ranks") else None)
+    total = frames * int(world or 1)
+    last_eval = int(checkpoint["callbacks"].get("Evaluator", {}).get("last_eval_frames", -1))
+    return ResumePoint(file, total, None if world is None else int(world),
+                       exact=bool(collected.get("at_episode_boundary", True)), final_eval_done=last_eval == total,
+                       stopped_by=saved.get("stopped_by"))
+
+
 def _load_trusted(file: Path, map_location: str | torch.device) -> dict[str, Any]:
     try:
         return torch.load(file, map_location=map_location, weights_only=False)
@@ -74,9 +125,10 @@ def validate(checkpoint: Any, file: Path | str = "checkpoint") -> dict[str, Any]
     if not isinstance(ours, dict) or not {"config", "obs_shape", "action_dim"} <= set(hparams):
         raise CheckpointError(f"{file} is a Lightning checkpoint but not one written by pixelsac")
     version = ours.get("format", 1)
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{file} has checkpoint format {version}; this pixelsac reads format "
-                              f"{FORMAT_VERSION} -- use the pixelsac version that wrote it")
+    if version not in READABLE_FORMATS:
+        readable = " and ".join(map(str, READABLE_FORMATS))
+        raise CheckpointError(f"{file} has checkpoint format {version}; this pixelsac reads formats "
+                              f"{readable} -- use the pixelsac version that wrote it")
     return checkpoint
 
 

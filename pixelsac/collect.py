@@ -66,6 +66,18 @@ class Collector:
         return all(t is None for t in self._timesteps)
 
     @property
+    def steps_to_episode_boundary(self) -> int | None:
+        """At most how many more steps until :attr:`at_episode_boundary` (0 there), from the time
+        limit; an episode may end sooner. None when the environments' episodes are out of step
+        (one ended early, by termination), so that no common boundary is in sight."""
+        if self.at_episode_boundary:
+            return 0
+        frames, repeat = getattr(self.envs, "episode_frames", None), getattr(self.envs, "action_repeat", None)
+        if frames is None or repeat is None or len(set(self._lengths)) > 1 or None in self._timesteps:
+            return None
+        return max(-(-frames // repeat) - self._lengths[0], 1)
+
+    @property
     def total_env_frames(self) -> int:
         """Env frames collected by all data-parallel ranks together (what logs report)."""
         return self.env_frames * self.world_size
@@ -110,7 +122,7 @@ class Collector:
         return {
             "agent_steps": self.agent_steps, "env_frames": self.env_frames, "episodes": self.episodes,
             "rng": self.rng.bit_generator.state, "env_rngs": self.envs.get_rng_states(),
-            "at_episode_boundary": self.at_episode_boundary,
+            "at_episode_boundary": self.at_episode_boundary, "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -126,7 +138,13 @@ class Collector:
 
 class ExperienceStream(IterableDataset):
     """Yields replay batches for the Trainer, collecting one agent step before each group of
-    ``updates_per_step`` batches, until ``total_agent_steps`` have been collected."""
+    ``updates_per_step`` batches, until ``total_agent_steps`` have been collected.
+
+    ``stop_check``, when set, is asked before every agent step (seed steps included): True ends
+    the iteration there, with the collection in a resumable state and :attr:`stopped_early` set
+    (see :mod:`pixelsac.stopping`). Asking before a step rather than after an update lets a stop
+    land between updates even during the seed steps, which take no updates at all.
+    """
 
     def __init__(self, collector: Collector, batch_size: int, total_agent_steps: int,
                  updates_per_step: int, rng: np.random.Generator) -> None:
@@ -136,6 +154,8 @@ class ExperienceStream(IterableDataset):
         self.total_agent_steps = total_agent_steps
         self.updates_per_step = updates_per_step
         self.rng = rng
+        self.stop_check: Callable[[], bool] | None = None
+        self.stopped_early = False
 
     @property
     def exhausted(self) -> bool:
@@ -150,22 +170,34 @@ class ExperienceStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         collector = self.collector
         while collector.agent_steps < min(collector.seed_steps, self.total_agent_steps):
+            if self._stop_here():
+                return
             collector.step()
         while collector.agent_steps < self.total_agent_steps:
+            if self._stop_here():
+                return
             collector.step()
             # the update-to-data ratio holds per agent step, whatever the number of envs
             for _ in range(self.updates_per_step * collector.num_envs):
                 yield self.replay_batch()
+
+    def _stop_here(self) -> bool:
+        if self.stop_check is not None and self.stop_check():
+            self.stopped_early = True
+        return self.stopped_early
 
     def replay_batch(self) -> dict[str, torch.Tensor]:
         return self.collector.replay.sample(self.batch_size, self.rng)
 
 
 def run_episodes(env: DMCEnv, act: ActFn, episodes: int, sample: bool = False,
-                 on_frame: Callable[[int, DMCEnv], None] | None = None) -> list[float]:
+                 on_frame: Callable[[int, DMCEnv], None] | None = None,
+                 should_abandon: Callable[[], bool] | None = None) -> list[float] | None:
     """Play ``episodes`` full episodes (deterministic mean action unless ``sample``); returns.
 
     ``on_frame(episode_index, env)`` is called after every reset and step (e.g. to record video).
+    ``should_abandon()`` is asked before every step: True gives up at once and returns None (an
+    evaluation can take minutes; a run asked to stop should not wait for it).
     """
     returns = []
     for episode in range(episodes):
@@ -174,6 +206,8 @@ def run_episodes(env: DMCEnv, act: ActFn, episodes: int, sample: bool = False,
         if on_frame is not None:
             on_frame(episode, env)
         while not timestep.last:
+            if should_abandon is not None and should_abandon():
+                return None
             timestep = env.step(act(timestep.obs[None], sample)[0])
             total += timestep.reward
             if on_frame is not None:

@@ -28,12 +28,16 @@ PRECISION_MODES = ("fp32", "fp16", "bf16", "amp")
 OBS_KINDS = ("pixels", "state")
 AUG_BACKENDS = ("kornia", "index")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: Signals ``stop.signals`` may name: the ones schedulers and terminals send to ask a job to end
+#: (SIGKILL and SIGSTOP cannot be caught; the others would stop on faults or job control).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 #: Types of keys whose default is null (anything else takes its type from conf/config.yaml).
 NULLABLE: dict[str, type] = {
     "preset": str,
     "run_dir": str,
     "resume": str,
+    "stop.signals": str,
     "lowp.all": bool,
     "lowp.hadam": bool,
     "lowp.loss_scaling": bool,
@@ -42,6 +46,9 @@ NULLABLE: dict[str, type] = {
     "lowp.softplus_fix": bool,
     "lowp.normal_fix": bool,
     "lowp.fp32_accumulate": bool,
+    "lowp.unbiased_moments": bool,
+    "lowp.stochastic_weights": bool,
+    "lowp.derived_target": bool,
     "env.action_repeat": int,
     "env.camera_id": int,
     "train.num_threads": int,
@@ -64,6 +71,7 @@ _LOWER_BOUNDS: dict[str, float] = {
     "perf.calibrate_updates": 0, "perf.warmup_updates": 0, "perf.graph_warmup_updates": 1, "lowp.init_scale": 1e-30, "lowp.growth_interval": 1,
     "lowp.adam_eps_scaled": 1e-30, "safety.min_loss_scale": 0.0, "lowp.target_scale": 1e-30, "agent.lr": 1e-30,
     "agent.adam_eps": 1e-30, "agent.init_temperature": 1e-30, "agent.critic_tau": 1e-30,
+    "stop.max_wait_steps": 0, "stop.max_wait_seconds": 0.0,
 }
 _UNIT_INTERVAL = ("agent.discount", "agent.critic_tau", "agent.beta1", "agent.beta2")
 
@@ -171,7 +179,7 @@ def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
 
 #: What may change when a run is resumed: budgets, logging, hardware, safety -- not the agent,
 #: its environment or its precision, which the checkpoint's weights and replay are tied to.
-RESUMABLE = ("train.", "trainer.", "perf.", "safety.", "checkpoint.", "trust_checkpoint", "resume", "overwrite",
+RESUMABLE = ("train.", "trainer.", "perf.", "safety.", "checkpoint.", "stop.", "trust_checkpoint", "resume", "overwrite",
              "replay.device", "replay.pin_memory")  # where the replay lives; its saved state is the same anywhere
 
 
@@ -186,7 +194,8 @@ def load_config(
     ``valid_tasks`` (the dm_control suite task names) lets an unknown task be refused here, with
     suggestions, instead of later when the environment is built. ``base`` is a stored run's
     configuration to continue from (resume): overrides then apply to it, and only the keys in
-    :data:`RESUMABLE` may change.
+    :data:`RESUMABLE` may change; any other key may be repeated with the value the run already has,
+    so that a requeued job can run its first command again with ``resume=auto``.
     """
     conf = conf or conf_dir()
     defaults = _load_yaml(conf / "config.yaml")
@@ -194,7 +203,7 @@ def load_config(
     if base is not None:
         cfg = OmegaConf.merge(defaults, OmegaConf.create(base))  # keys added since it was saved
         for key, value in given.items():
-            if not key.startswith(RESUMABLE):
+            if not key.startswith(RESUMABLE) and not _same_as_stored(cfg, key, value, defaults):
                 raise ConfigError(f"{key} cannot change when resuming (the checkpoint was trained with "
                                   f"{key}={OmegaConf.select(cfg, key)!r}); start a new run instead")
             _apply(cfg, key, value, defaults)
@@ -241,6 +250,32 @@ def load_config(
     return cfg
 
 
+def _same_as_stored(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> bool:
+    """Whether ``key=value`` only repeats what the stored run already has (checked for type first)."""
+    probe = cfg.copy()
+    _apply(probe, key, value, defaults)  # an unknown key or a wrong type is reported as such
+    return OmegaConf.select(probe, key) == OmegaConf.select(cfg, key)
+
+
+def stop_signal_names(value: str | None) -> list[str]:
+    """``stop.signals`` as canonical names (``"term, SIGUSR1"`` -> ``["SIGTERM", "SIGUSR1"]``)."""
+    if value is None:
+        return []
+    names = []
+    for item in str(value).split(","):
+        name = item.strip().upper()
+        if not name:
+            continue
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name not in STOP_SIGNALS:
+            what = "cannot be caught" if name in ("SIGKILL", "SIGSTOP") else f"is not a stop signal{_suggest(name, STOP_SIGNALS)}"
+            raise ConfigError(f"stop.signals: {item.strip()!r} {what}; choose from {', '.join(STOP_SIGNALS)} "
+                              "(comma-separated), or null for the operating system's defaults")
+        if name not in names:
+            names.append(name)
+    return names
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(tree, dict):
         return {prefix: tree}
@@ -271,6 +306,10 @@ def validate(cfg: DictConfig) -> None:
                           "(or null: index on CUDA, kornia elsewhere)")
     if cfg.perf.compile_mode not in COMPILE_MODES:
         raise ConfigError(f"perf.compile_mode={cfg.perf.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
+    stop_signal_names(cfg.stop.signals)
+    if cfg.resume == "auto" and not cfg.run_dir:
+        raise ConfigError("resume=auto needs run_dir=DIR: the directory the job writes to and, when it already "
+                          "holds a checkpoint, resumes from")
     for key, low in _LOWER_BOUNDS.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and value < low:

@@ -4,11 +4,19 @@
     python -m pixelsac.train preset=tiny precision=fp32 seed=3
     python -m pixelsac.train task=walker_walk agent.batch_size=256 trainer.devices=2
     python -m pixelsac.train resume=runs/cheetah_run/RUN train.env_frames=1000000
+    python -m pixelsac.train task=walker_walk run_dir=runs/walker_s1 resume=auto   # a job that may be requeued
 
 Arguments are ``key=value`` overrides of ``conf/config.yaml`` (see the README). A mistake in
 them, an unknown task, a missing OpenGL library or an unusable checkpoint is reported in one
 line with exit code 2, before anything is written. A run stopped by a numerical failure (non-
 finite weights, a collapsed loss scale) exits with code 3 after saying why.
+
+SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (``stop.signals``) stop a run after its current update:
+it saves ``last.ckpt`` and its replay file -- at the episode boundary when that is near, for
+an exact resume -- prints one line saying what it saved, and exits with code 75; a second
+signal saves at once, a signal during that save exits at once with 128 + the signal number
+(the previous checkpoint stays). ``resume=auto`` continues from ``run_dir`` when it holds a
+checkpoint and starts there otherwise; a run whose budget is already reached exits 0 at once.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ from pixelsac.config import ConfigError, load_config, to_plain
 USAGE = __doc__
 EXIT_BAD_INPUT = 2
 EXIT_NUMERICAL_FAILURE = 3
+#: A run stopped by a signal, its work saved (or nothing new to save): EX_TEMPFAIL, "try again
+#: later" -- run the same command with resume=auto (or resume=RUN_DIR) to continue.
+EXIT_STOPPED = 75
 
 
 class UsageError(ValueError):
@@ -53,6 +64,8 @@ class Run:
     stream: Any
     trainer: Any
     resume_from: Path | None = None  # the checkpoint a resumed run continues from
+    stopper: Any = None  # the StopOnSignal callback, when stop signals are handled
+    exit_code: int = 0  # what the command exits with: 0 done, EXIT_STOPPED, EXIT_NUMERICAL_FAILURE
 
 
 @contextlib.contextmanager
@@ -77,28 +90,43 @@ def default_run_dir(cfg: Any) -> Path:
 
 def resolve_config(argv: list[str]) -> tuple[Any, Path | None, int | None]:
     """The run's configuration and, for ``resume=...``, the checkpoint it continues from and the
-    env frame it was taken at.
+    env frame (over all ranks) it was taken at. See :func:`resolve_run`."""
+    cfg, point = resolve_run(argv)
+    return cfg, (point.checkpoint if point else None), (point.env_frames if point else None)
 
-    A resumed run takes the checkpoint's configuration (overridable only in budgets, logging,
-    hardware and safety keys) and writes into the checkpoint's run directory.
+
+def resolve_run(argv: list[str]) -> tuple[Any, Any]:
+    """The run's configuration and, for ``resume=...``, where it continues from.
+
+    A resumed run takes the checkpoint's configuration (overridable in budgets, logging,
+    hardware, stop and safety keys; other keys may only repeat their stored values) and writes
+    into the checkpoint's run directory. ``resume=auto`` resumes from ``run_dir``'s checkpoint
+    when there is one and is a fresh run otherwise -- the same command for a job's first start
+    and every requeue. The second value is a :class:`pixelsac.checkpoint.ResumePoint` or None.
     """
     from pixelsac import checkpoint as ckpt
     from pixelsac.config import parse_overrides
     from pixelsac.envs import available_tasks
 
     given = parse_overrides(argv)
-    if given.get("resume") is None:
-        return load_config(argv, valid_tasks=available_tasks()), None, None
-    file = ckpt.resolve(str(given["resume"]), prefer="last")
+    resume, run_dir = given.get("resume"), given.get("run_dir")
+    if resume == "auto":
+        if not run_dir:
+            raise ConfigError("resume=auto needs run_dir=DIR: the directory the job writes to and, when it already "
+                              "holds a checkpoint, resumes from")
+        file = ckpt.in_run_dir(Path(str(run_dir)))
+        if file is None:
+            return load_config(argv, valid_tasks=available_tasks()), None
+    elif resume is None:
+        return load_config(argv, valid_tasks=available_tasks()), None
+    else:
+        file = ckpt.resolve(str(resume), prefer="last")
     stored = ckpt.load(file, trust=bool(given.get("trust_checkpoint", False)))
     base = dict(stored["hyper_parameters"]["config"])
-    base["run_dir"] = str(file.parent.parent if file.parent.name == "checkpoints" else file.parent)
+    base["run_dir"] = str(run_dir) if resume == "auto" else \
+        str(file.parent.parent if file.parent.name == "checkpoints" else file.parent)
     cfg = load_config(argv, valid_tasks=available_tasks(), base=base)
-    try:
-        frames = int(stored["callbacks"]["Checkpointer"]["collector"]["env_frames"])
-    except (KeyError, TypeError):
-        raise ckpt.CheckpointError(f"{file} holds no training state to resume from") from None
-    return cfg, file, frames
+    return cfg, ckpt.resume_point(file, stored)
 
 
 SPAWNING_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")
@@ -177,11 +205,14 @@ def replay_placement(cfg: Any, training_device: Any) -> tuple[Any, bool]:
     return device, bool(pin)
 
 
-def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
+def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None,
+              resume_world: int | None = None) -> Run:
     """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing.
 
     With several processes (``trainer.devices``/``num_nodes``), each rank owns its environments,
     replay buffer and seed stream (seeds offset by 1000 per rank); the weights start identical.
+    ``stop`` (a :class:`pixelsac.stopping.StopRequest`) adds the stop-on-signal callback;
+    ``resume_world`` is the number of ranks that wrote the checkpoint resumed from.
     """
     import lightning as L
     import torch
@@ -195,9 +226,13 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     from pixelsac.module import SACModule
     from pixelsac.perf import PerfTracker
     from pixelsac.replay import ReplaySet
+    from pixelsac.stopping import StopOnSignal
 
     trainer = make_trainer(cfg)
     rank, world = trainer.global_rank, trainer.world_size
+    if resume_world is not None and resume_world != world:
+        raise UsageError(f"{resume_from} was written by {resume_world} data-parallel rank(s), each with its own replay "
+                         f"and RNG states; this run has {world}: set trainer.devices and trainer.num_nodes to match")
     replay_device, pin_memory = replay_placement(cfg, trainer.strategy.root_device)  # fails before any env starts
     if cfg.perf.cuda_graphs:
         from pixelsac.graphs import graph_conflicts
@@ -208,8 +243,13 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     run_dir = shared_run_dir(cfg, rank)
     if rank == 0 and resume_from is None and run_dir.exists() \
             and (not run_dir.is_dir() or any(run_dir.iterdir())) and not cfg.overwrite:
-        raise UsageError(f"run directory {run_dir} already exists and is not empty; "
-                         "choose another run_dir=..., pass overwrite=true, or resume=" + str(run_dir))
+        if cfg.resume != "auto":
+            raise UsageError(f"run directory {run_dir} already exists and is not empty; "
+                             "choose another run_dir=..., pass overwrite=true, or resume=" + str(run_dir))
+        if not (run_dir / "config.yaml").is_file():  # a previous attempt that saved no checkpoint is fine
+            raise UsageError(f"run directory {run_dir} is not empty and holds no pixelsac run (no config.yaml, no "
+                             "checkpoint); resume=auto starts only in an empty directory or an earlier attempt's: "
+                             "choose another run_dir=... or pass overwrite=true")
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     L.seed_everything(cfg.seed, verbose=False)
@@ -242,12 +282,16 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     stream = ExperienceStream(collector, cfg.agent.batch_size, total_agent_steps, cfg.train.updates_per_step, rng)
 
     episode_steps = -(-cfg.env.episode_frames // env.action_repeat) * cfg.env.num_envs
-    checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps)
+    checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps, stop=stop)
     callbacks = [TrainingLogger(collector),
                  Evaluator(eval_env, collector, checkpointer, cfg.train.eval_every_frames, cfg.train.eval_episodes,
                            video_dir=run_dir / "videos", video_every_evals=cfg.train.video_every_evals,
-                           video_size=min(cfg.train.video_size, 480)),
+                           video_size=min(cfg.train.video_size, 480), stop=stop),
                  checkpointer, StopWhenCollected(stream)]
+    stopper = None
+    if stop is not None:
+        stopper = StopOnSignal(stop, stream, collector, checkpointer, cfg.stop.max_wait_steps, cfg.stop.max_wait_seconds)
+        callbacks.append(stopper)
     # our bar (frames first) replaces Lightning's default one
     bars = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, TQDMProgressBar)]
     for i in bars:
@@ -258,7 +302,7 @@ def build_run(cfg: Any, resume_from: Path | None = None) -> Run:
     # its own generator: creating the loader's iterator must not draw from the global torch RNG,
     # or a resumed run would diverge from the uninterrupted one
     stream_loader = DataLoader(stream, batch_size=None, num_workers=0, generator=torch.Generator())
-    return Run(cfg, run_dir, env, eval_env, replay, module, collector, stream_loader, trainer, resume_from)
+    return Run(cfg, run_dir, env, eval_env, replay, module, collector, stream_loader, trainer, resume_from, stopper)
 
 
 def attach_loggers(run: Run, resume_frames: int | None) -> None:
@@ -292,11 +336,17 @@ def write_run_dir(run: Run) -> None:
     OmegaConf.save(run.cfg, run.run_dir / "config.yaml", resolve=True)
 
 
-def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None = None) -> Run:
-    """Build, announce and fit a run (continuing from ``resume_from`` when given)."""
+def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None = None, *,
+          stop: Any = None, resume: Any = None) -> Run:
+    """Build, announce and fit a run (continuing from ``resume_from`` -- or ``resume``, a
+    :class:`pixelsac.checkpoint.ResumePoint` -- when given). With ``stop`` (a
+    :class:`pixelsac.stopping.StopRequest` whose handlers are installed), a stop signal ends the
+    run early with its work saved; ``run.exit_code`` says how it ended."""
     from pixelsac.precision import NumericalFailure
 
-    run = build_run(cfg, resume_from)
+    if resume is not None:
+        resume_from, resume_frames = resume.checkpoint, resume.env_frames
+    run = build_run(cfg, resume_from, stop=stop, resume_world=resume.world_size if resume else None)
     zero = run.trainer.global_rank == 0
     if zero:
         write_run_dir(run)
@@ -305,7 +355,9 @@ def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None =
     policy = run.module.precision_policy
     say = print if zero else (lambda *args, **kwargs: None)  # one voice under data parallelism
     say(f"run directory: {run.run_dir}")
-    if resume_from is not None:
+    if resume is not None:
+        say(resume.describe())
+    elif resume_from is not None:
         say(f"resuming from {resume_from} at env frame {resume_frames}")
     device = run.trainer.strategy.root_device
     say(f"task {cfg.task} from {cfg.env.obs}, action repeat {run.env.action_repeat}; "
@@ -329,8 +381,13 @@ def train(cfg: Any, resume_from: Path | None = None, resume_frames: int | None =
         run.env.close()  # frees the physics and its GL contexts (a long process may train many runs)
         run.eval_env.close()
     evaluator = next(c for c in run.trainer.callbacks if type(c).__name__ == "Evaluator")
-    say(f"done: {run.collector.total_env_frames} env frames, {run.module.updates} updates, "
-          f"best eval return {evaluator.best_return:.1f}; checkpoints in {run.run_dir / 'checkpoints'}")
+    outcome = run.stopper.outcome if run.stopper is not None else None
+    if outcome is not None:
+        say(outcome.message(run.run_dir))
+        run.exit_code = EXIT_NUMERICAL_FAILURE if outcome.reason == "non-finite weights" else EXIT_STOPPED
+    else:
+        say(f"done: {run.collector.total_env_frames} env frames, {run.module.updates} updates, "
+              f"best eval return {evaluator.best_return:.1f}; checkpoints in {run.run_dir / 'checkpoints'}")
     return run
 
 
@@ -343,16 +400,22 @@ def main(argv: list[str] | None = None) -> int:
     from pixelsac.envs import EnvError
     from pixelsac.envs.vector import EnvWorkerError
     from pixelsac.precision import NumericalFailure
+    from pixelsac.stopping import handle_stop_signals
 
     try:
-        train(*resolve_config(argv))
+        cfg, point = resolve_run(argv)
+        if point is not None and point.finished(cfg.train.env_frames):
+            print(f"already done: {point.checkpoint} holds {point.env_frames} env frames (train.env_frames="
+                  f"{cfg.train.env_frames}) and their final evaluation; raise train.env_frames to train further")
+            return 0
+        with handle_stop_signals(cfg.stop.signals) as stop:
+            return train(cfg, stop=stop, resume=point).exit_code
     except (ConfigError, EnvError, UsageError, CheckpointError, EnvWorkerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except NumericalFailure as failure:
         print(f"error: training stopped: {failure}", file=sys.stderr)
         return EXIT_NUMERICAL_FAILURE
-    return 0
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ class DumpRankState(L.Callback):
 real_build = train_mod.build_run
 
 
-def build_run(cfg, resume_from=None):
-    run = real_build(cfg, resume_from)
+def build_run(cfg, resume_from=None, **kwargs):
+    run = real_build(cfg, resume_from, **kwargs)
     dump = DumpRankState()
     dump.collector = run.collector
     run.trainer.callbacks.append(dump)

@@ -225,7 +225,7 @@ def _bad_checkpoint(kind: str, real: Path, folder: Path) -> Path:
     ("text", [], "is not a readable checkpoint"),
     ("truncated", [], "is not a readable checkpoint, or is truncated"),
     ("empty_run_dir", [], "no checkpoint in"),
-    ("format", [], f"has checkpoint format {FORMAT_VERSION + 1}; this pixelsac reads format {FORMAT_VERSION}"),
+    ("format", [], f"has checkpoint format {FORMAT_VERSION + 1}; this pixelsac reads formats 1 and {FORMAT_VERSION}"),
     ("pickled", [], "holds pickled Python objects"),
     ("nan", [], "holds non-finite weights"),
     ("good", ["episods=3"], "unknown option 'episods' (did you mean 'episodes'?)"),

@@ -12,6 +12,7 @@ that dies outright (killed, crashed) is reported with its exit code -- never wai
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -62,8 +63,16 @@ class SerialEnvs:
             env.close()
 
 
+#: Signals a worker ignores: they ask the run to stop, and the parent decides how (Ctrl-C reaches
+#: the terminal's whole process group, SLURM signals every process of a job step). A worker ends
+#: when the parent closes it or goes away (its pipe reaches EOF).
+_PARENTS_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
 def _worker(conn: Connection, task: str, seed: int, env_kwargs: dict) -> None:
     """Serve one DMCEnv over a pipe until told to close; every failure goes back as a message."""
+    for name in _PARENTS_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
         env = DMCEnv(task, seed=seed, **env_kwargs)
         conn.send(("ok", {name: getattr(env, name) for name in
