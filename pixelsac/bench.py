@@ -108,7 +108,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "batch_sizes": (None, "comma-separated batch sizes (default: agent.batch_size)"),
     "updates": (None, "timed updates per cell (default: 500 on a GPU, as the paper; 3 on a CPU)"),
     "warmup": (None, "untimed updates before timing (default: 20 on a GPU, 1 on a CPU)"),
-    "channels_last": ("off", "channels_last memory format for the conv trunk: off | on | both"),
+    "channels_last": ("auto", "NHWC memory format for the conv trunk (perf.channels_last): auto (the training default: "
+                              "on a CPU, on a GPU for fp16/bf16/AMP) | off | on | both"),
     "compile": ("off", "torch.compile the networks (trunk, projections, Q heads, actor): off | on | both"),
     "compile_mode": ("default", "torch.compile mode: " + " | ".join(_COMPILE_MODES) + " (inductor only)"),
     "compile_backend": ("inductor", "torch.compile backend (eager / aot_eager to check the wiring cheaply)"),
@@ -241,7 +242,7 @@ def parse_options(given: dict[str, Any]) -> BenchOptions:
         batch_sizes=batch_sizes,
         updates=None if value["updates"] is None else _positive_int("updates", value["updates"]),
         warmup=None if value["warmup"] is None else _positive_int("warmup", value["warmup"], low=0),
-        channels_last=_choice("channels_last", value["channels_last"], _ON_OFF),
+        channels_last=_choice("channels_last", value["channels_last"], _AUTO_ON_OFF),
         compile=_choice("compile", value["compile"], _ON_OFF),
         compile_mode=_choice("compile_mode", value["compile_mode"], _COMPILE_MODES),
         compile_backend=backend,
@@ -277,7 +278,7 @@ class CellSpec:
     mode: str
     overrides: list[str]          # the user's overrides, then the mode's, then the batch size
     batch_size: int
-    channels_last: bool
+    channels_last: bool | None     # None: the training default (perf.channels_last=null), unlabelled
     compile: bool
     compile_mode: str
     compile_backend: str
@@ -296,7 +297,9 @@ class CellSpec:
     @property
     def speed_variant(self) -> str:
         """The speed switches: what an fp32 row must share to be this row's reference."""
-        names = [name for name, on in (("channels_last", self.channels_last), ("compile", self.compile)) if on]
+        names = [] if self.channels_last is None else ["channels_last" if self.channels_last else "nchw"]
+        if self.compile:
+            names.append("compile")
         if self.sync_free is not None:
             names.append("sync_free" if self.sync_free else "host_sync")
         if self.cuda_graphs:
@@ -356,7 +359,8 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
         batch = {k: v.to(device) for k, v in batch.items()}
 
     def prepare(module: Any) -> None:
-        apply_speed_options(module, spec.channels_last, spec.compile, spec.compile_mode, spec.compile_backend)
+        # the layout is the module's own (perf.channels_last in the cell's overrides)
+        apply_speed_options(module, False, spec.compile, spec.compile_mode, spec.compile_backend)
 
     timed = time_updates(to_plain(cfg), tuple(spec.obs_shape), spec.action_dim, batch, device,
                          spec.updates, spec.warmup, prepare=prepare, emulation=spec.emulation,
@@ -531,6 +535,8 @@ def make_plan(argv: list[str]) -> Plan:
                                     f"perf.aug_backend={'index' if sync else 'kornia'}"]
                                 if graphs:
                                     speed.append("perf.cuda_graphs=true")
+                                if channels_last is not None:
+                                    speed.append(f"perf.channels_last={str(channels_last).lower()}")
                                 cell_overrides = [*overrides, *mode.overrides, *speed, f"agent.batch_size={batch_size}"]
                                 cell_cfg = load_config(cell_overrides)  # a mode clashing with the overrides fails now
                                 if graphs:
@@ -736,7 +742,8 @@ def markdown(plan: Plan, rows: list[dict[str, Any]], header: list[str],
     lines += ["", "Peak memory here: " + "; ".join(kinds) + ". Ratios are to fp32 at the same batch size and speed "
               "variant; "
               "'vs switches off' is the same mode and batch size with every speed switch off (its first row) "
-              "divided by this row. Variants: channels_last (perf.channels_last), compile (perf.compile), "
+              "divided by this row. Variants: channels_last / nchw (perf.channels_last on / off; neither named: "
+              "the default layout), compile (perf.compile), "
               "sync_free / host_sync (perf.sync_free with the index / kornia random shift), "
               "cuda_graphs (perf.cuda_graphs: each update replayed as a CUDA graph), "
               "<source>_batch (where the batch is when the update starts: pageable host, pinned host, device), "

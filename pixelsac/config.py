@@ -55,6 +55,7 @@ NULLABLE: dict[str, type] = {
     "replay.device": str,
     "replay.pin_memory": bool,
     "perf.sync_free": bool,
+    "perf.channels_last": bool,
     "perf.aug_backend": str,
 }
 

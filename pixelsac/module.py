@@ -11,7 +11,8 @@ critic (every update)::
     L_Q  = Σ_m [ (Q1(aug_m(o), a) - y)² + (Q2(aug_m(o), a) - y)² ]   (batch means), m = 1..M
 
 actor and temperature (every ``actor_update_every`` updates; the actor sees the conv features
-detached, so only the critic trains the convolutions)::
+detached, so only the critic trains the convolutions), on ``o_1 = aug_1(o)``, the critic's first
+augmented copy, as in DrQ (its features recomputed: the critic step has just moved the trunk)::
 
     ã ~ π(·|o_1),   L_π = mean[ α·log π(ã|o_1) - min(Q1, Q2)(o_1, ã) ]
     L_α = mean[ α·(-log π(ã|o_1) - H̄) ],   H̄ = -|A|
@@ -126,10 +127,9 @@ class SACModule(L.LightningModule):
             self.scalers[name] = self.precision_policy.make_scaler()
         self.target_updater.check_every_update = not self.precision_policy.sync_free
         perf = self.cfg.perf
-        backend = perf.get("aug_backend")
-        self.augment.backend = backend or ("index" if device_type == "cuda" else "kornia")
-        if perf.get("channels_last") or perf.get("compile"):
-            apply_speed_options(self, bool(perf.get("channels_last")), bool(perf.get("compile")),
+        self.augment.backend = perf.get("aug_backend") or "index"
+        if self.precision_policy.channels_last or perf.get("compile"):
+            apply_speed_options(self, self.precision_policy.channels_last, bool(perf.get("compile")),
                                 perf.get("compile_mode") or "default")
         if perf.get("cuda_graphs"):
             self.update_graphs = UpdateGraphs(self, warmup_updates=int(perf.get("graph_warmup_updates", 3)))
@@ -189,12 +189,13 @@ class SACModule(L.LightningModule):
         return actions
 
     # --- losses ---------------------------------------------------------------------------------
-    def critic_loss(self, obs: torch.Tensor, action: torch.Tensor, reward: torch.Tensor,
-                    not_terminal: torch.Tensor, next_obs: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def critic_loss(self, obs_aug: torch.Tensor, action: torch.Tensor, reward: torch.Tensor,
+                    not_terminal: torch.Tensor, next_aug: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """``obs_aug``: the M augmented copies of the batch's observations stacked on the batch
+        axis; ``next_aug``: the K copies of the next observations."""
         agent = self.cfg.agent
-        k, m, batch = agent.aug_target_copies, agent.aug_q_copies, obs.shape[0]
+        k, m, batch = agent.aug_target_copies, agent.aug_q_copies, action.shape[0]
         with torch.no_grad():
-            next_aug = self.augment.copies(next_obs, k)
             dist = self._dist(self.critic.trunk(next_aug))
             next_action = dist.rsample()
             log_prob = dist.log_prob(next_action).sum(-1, keepdim=True)
@@ -202,14 +203,14 @@ class SACModule(L.LightningModule):
             target_v = torch.min(target_q1, target_q2) - self.alpha.detach() * log_prob
             target_v = target_v.view(k, batch, 1).mean(0)
             target_q = td_target(reward, not_terminal, target_v, agent.discount)
-        q1, q2 = self.critic(self.augment.copies(obs, m), action.repeat(m, 1))
+        q1, q2 = self.critic(obs_aug, action.repeat(m, 1))
         target_rep = target_q.repeat(m, 1)
         # DrQ sums the per-copy mean squared errors over the M augmented copies
         loss = m * (F.mse_loss(q1, target_rep) + F.mse_loss(q2, target_rep))
         return loss, {"critic_loss": loss.detach(), "q": q1.detach().mean(), "target_q": target_q.mean()}
 
-    def actor_and_alpha_loss(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        obs_aug = self.augment(obs)
+    def actor_and_alpha_loss(self, obs_aug: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """``obs_aug``: one augmented copy of the observations (the critic's first, as in DrQ)."""
         with torch.no_grad():  # the actor does not train the convolutions: build no graph for them
             trunk_features = self.critic.trunk(obs_aug)
         dist = self._dist(trunk_features)
@@ -283,17 +284,19 @@ class SACModule(L.LightningModule):
         bookkeeping (see :mod:`pixelsac.graphs`)."""
         agent = self.cfg.agent
         cast = self.precision_policy.cast_input
-        obs, next_obs = cast(batch["obs"]), cast(batch["next_obs"])
+        # shifted as uint8 frames and cast after: the same values, a quarter of the bytes to move
+        next_aug = cast(self.augment.copies(batch["next_obs"], agent.aug_target_copies))
+        obs_aug = cast(self.augment.copies(batch["obs"], agent.aug_q_copies))
         action, reward, not_terminal = cast(batch["action"]), cast(batch["reward"]), cast(batch["not_terminal"])
         critic_opt, actor_opt, alpha_opt = self.optimizers()
 
         with self.precision_policy.compute_context():
-            critic_loss, metrics = self.critic_loss(obs, action, reward, not_terminal, next_obs)
+            critic_loss, metrics = self.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
         self._step("critic", critic_loss, critic_opt, graph_safe)
 
         if with_actor:
             with self.precision_policy.compute_context():
-                actor_loss, alpha_loss, actor_metrics = self.actor_and_alpha_loss(obs)
+                actor_loss, alpha_loss, actor_metrics = self.actor_and_alpha_loss(obs_aug[:action.shape[0]])
             self._step("actor", actor_loss, actor_opt, graph_safe)
             self._step("alpha", alpha_loss, alpha_opt, graph_safe)
             metrics.update(actor_metrics)

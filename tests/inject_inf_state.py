@@ -18,7 +18,8 @@ def step_then_poison(self, *args, **kwargs):
     first_state = next(iter(self.state.values()), None)
     if calls[id(self)] == 6 and first_state is not None and first_state["exp_avg_root"].numel() > 1:
         with torch.no_grad():
-            first_state["exp_avg_root"].view(-1)[0] = float("inf")
+            root = first_state["exp_avg_root"]
+            root[(0,) * root.dim()] = float("inf")  # any layout (channels-last conv weights)
     return result
 
 

@@ -65,3 +65,35 @@ def test_copies_are_independent_and_zero_pad_is_identity(backend):
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="kornia, index"):
         RandomShift(16, 4, "opencv")
+
+
+def test_index_shift_equals_pad_then_crop_with_the_same_offsets():
+    """The clamped gather is the replicate-padded crop, offset for offset (the spec's form)."""
+    torch.manual_seed(2)
+    pad, size = 4, 12
+    images = torch.randint(0, 256, (32, 6, size, size), dtype=torch.uint8)
+    state = torch.get_rng_state()
+    out = RandomShift(size, pad, "index")(images)
+    torch.set_rng_state(state)
+    offsets = torch.randint(0, 2 * pad + 1, (32, 2))
+    padded = F.pad(images.float(), (pad,) * 4, mode="replicate")
+    expected = torch.stack([padded[i, :, dy:dy + size, dx:dx + size] for i, (dy, dx) in enumerate(offsets.tolist())])
+    assert torch.equal(out.float(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_shifting_frames_before_the_cast_equals_shifting_after(dtype):
+    """The agent shifts uint8 frames and then casts: the same values as casting first."""
+    images = torch.randint(0, 256, (16, 9, 16, 16), dtype=torch.uint8)
+    torch.manual_seed(3)
+    before = RandomShift(16, 4, "index").copies(images, 2).to(dtype)
+    torch.manual_seed(3)
+    after = RandomShift(16, 4, "index").copies(images.to(dtype), 2)
+    assert before.dtype == after.dtype == dtype and torch.equal(before, after)
+
+
+def test_kornia_takes_integer_frames_as_float32():
+    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    out = RandomShift(16, 4, "kornia")(images)
+    assert out.dtype == torch.float32 and out.shape == images.shape
+    assert torch.equal(out, out.round()) and out.min() >= 0 and out.max() <= 255

@@ -178,7 +178,7 @@ def test_help_documents_every_bench_option(capsys):
     (["bench.modes=fp16,fp99"], "unknown mode 'fp99'"),
     (["bench.batch_sizes=128,0"], "bench.batch_sizes=0 must be a positive integer"),
     (["bench.updates=0"], "bench.updates=0 must be a positive integer"),
-    (["bench.channels_last=sideways"], "choose one of off, on, both"),
+    (["bench.channels_last=sideways"], "choose one of auto, off, on, both"),
     (["bench.sync_free=maybe"], "choose one of auto, off, on, both"),
     (["bench.batch=gpu"], "choose from auto, all, host, pinned, device"),
     (["bench.emulation_saves=fp8"], "bench.emulation_saves='fp8'; choose one of low, fp32, both"),

@@ -144,21 +144,33 @@ def test_act_is_bounded_and_deterministic_without_sampling():
     assert not np.array_equal(module.act(obs, sample=True), a1)
 
 
-def test_critic_uses_k_target_copies_and_m_q_copies():
-    module = make_module("precision=fp32", "agent.aug_target_copies=3", "agent.aug_q_copies=2")
-    calls = []
-    real = module.augment.copies
+def test_update_uses_k_target_copies_m_q_copies_and_the_first_for_the_actor():
+    """DrQ's schedule: K shifted copies of next_obs for the target, M of obs for the Q loss, and
+    the actor on the critic's first copy of obs (DrQ's ``obs``), not on a fresh shift."""
+    module = make_module("precision=fp32", "agent.aug_target_copies=3", "agent.aug_q_copies=2",
+                         "agent.actor_update_every=1")
+    calls, actor_inputs = [], []
+    real_copies, real_actor_loss = module.augment.copies, module.actor_and_alpha_loss
 
     def spy(images, n):
-        out = real(images, n)
-        calls.append((images.data_ptr(), n, out.shape[0]))
+        out = real_copies(images, n)
+        calls.append((images.dtype, n, out.shape[0]))
+        if n == 2:
+            calls.append(out.clone())
         return out
 
+    def actor_spy(obs_aug):
+        actor_inputs.append(obs_aug.clone())
+        return real_actor_loss(obs_aug)
+
     module.augment.copies = spy
-    batch = {k: v.float() for k, v in make_batch().items()}
-    loss, _ = module.critic_loss(batch["obs"], batch["action"], batch["reward"], batch["not_terminal"], batch["next_obs"])
-    assert calls == [(batch["next_obs"].data_ptr(), 3, 12), (batch["obs"].data_ptr(), 2, 8)]
-    assert torch.isfinite(loss)
+    module.actor_and_alpha_loss = actor_spy
+    fit(module, [make_batch()])
+    # shifted as uint8 frames (cast after), next_obs first
+    assert calls[0] == (torch.uint8, 3, 12) and calls[1] == (torch.uint8, 2, 8)
+    q_copies = calls[2].float()
+    assert len(actor_inputs) == 1 and actor_inputs[0].shape[0] == 4
+    assert torch.equal(actor_inputs[0], q_copies[:4])
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "fp16-six", "bf16", "amp"])

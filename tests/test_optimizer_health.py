@@ -48,7 +48,8 @@ def test_nonfinite_optimizer_state_is_named_by_loss_and_kind():
     fit(module, [make_batch(seed=0)])
     assert module.nonfinite_weight_groups() == []
     critic_opt = module._optimizers_by_loss["critic"]
-    next(iter(critic_opt.state.values()))["exp_avg_root"].view(-1)[0] = float("inf")
+    state = next(iter(critic_opt.state.values()))["exp_avg_root"]
+    state[(0,) * state.dim()] = float("inf")  # any layout (conv weights are channels-last on a CPU)
     assert module.nonfinite_weight_groups() == ["critic optimizer exp_avg_root"]
     assert not module.weights_are_finite()  # so no checkpoint is written from this state
     with pytest.raises(NumericalFailure, match=r"non-finite critic optimizer exp_avg_root after update"):
