@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,20 @@ def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
     assert rows[("fp32", "480")]["n"] == "2" and rows[("fp16-naive", "480")]["failed"] == "2"
     assert "--collect-only" in (out / "results.md").read_text()
 
+    # exported without checkpoints (as committed under docs/results/), continued elsewhere: the
+    # finished runs count as done from their summary.json, the failed ones as failed
+    exported = tmp_path / "exported"
+    export = run_tool("--out", str(out), "--collect-only", "--export", str(exported), cwd=tmp_path)
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (exported / "results.md").is_file() and (exported / "grid.json").is_file()
+    assert (exported / "runs" / "cartpole_swingup" / "fp32" / "s2" / "metrics.csv").is_file()
+    assert not [p for p in exported.rglob("*") if p.suffix in (".ckpt", ".pt", ".npz")]
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(exported / "runs", elsewhere)
+    plan = run_tool(*grid[:-1], str(elsewhere), *GRID_OVERRIDES, "train.env_frames=480", "--dry-run", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert plan.stdout.count("skip-done") == 2 and plan.stdout.count("skip-failed") == 2, plan.stdout
+
 
 # --- the table arithmetic on synthetic runs ------------------------------------------------------------------
 def fake_run(run_dir: Path, frames, returns, failed_at: int | None = None) -> None:
@@ -158,6 +173,14 @@ def test_value_at_interpolates_and_tolerates_action_repeat_rounding():
     assert experiment.value_at(short, 20_000) == ("missing", None)
     failed = experiment.RunResult("t", "fp16", 1, Path("."), np.array([100.0]), np.array([5.0]), 150.0)
     assert experiment.value_at(failed, 100) == ("ok", 5.0) and experiment.value_at(failed, 200) == ("failed", None)
+
+
+def test_records_hold_commands_as_typed_in_the_repository():
+    command = [sys.executable, "-m", "pixelsac.train", "seed=2", f"run_dir={REPO / 'runs' / 'g' / 's2'}",
+               f"resume={REPO / 'runs' / 'g' / 's2'}", "run_dir=/elsewhere/s2"]
+    assert experiment.as_typed(command) == ("python -m pixelsac.train seed=2 run_dir=runs/g/s2 resume=runs/g/s2 "
+                                            "run_dir=/elsewhere/s2")
+    assert experiment.relative(REPO / "docs" / "results") == "docs/results"
 
 
 def test_modes_and_commands(tmp_path):

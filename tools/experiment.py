@@ -216,6 +216,22 @@ def checkpoint_frames(run_dir: Path) -> int | None:
         return None
 
 
+def evaluated_frames(run_dir: Path) -> int | None:
+    """The env frame of the run's last evaluation in metrics.csv (None without one)."""
+    plot = load_plot()
+    try:
+        frames, _ = plot.read_eval_curve(run_dir)
+    except plot.PlotError:
+        return None
+    return int(frames[-1]) if frames.size else None
+
+
+#: what --export keeps of each finished run: enough to tabulate and plot it, and for a later
+#: invocation to count it as done (summary.json, and evaluations up to the budget in metrics.csv),
+#: without checkpoints or replay files
+EXPORTED_FILES = ("metrics.csv", "summary.json", "failure.json", "config.yaml")
+
+
 def plan_run(spec: RunSpec, retry_failed: bool) -> Plan:
     run_dir = spec.run_dir
     if (run_dir / "failure.json").is_file() and not retry_failed:
@@ -223,6 +239,11 @@ def plan_run(spec: RunSpec, retry_failed: bool) -> Plan:
     if (run_dir / "failure.json").is_file():
         return Plan(spec, "restart", None, spec.fresh_args())
     frames = checkpoint_frames(run_dir)
+    if frames is None and (run_dir / "summary.json").is_file():
+        # an exported run (no checkpoint kept): done when its evaluations reached the budget
+        evaluated = evaluated_frames(run_dir)
+        if evaluated is not None and evaluated >= spec.budget * (1 - REACH_TOLERANCE):
+            return Plan(spec, "skip-done", evaluated)
     if frames is not None and frames >= spec.budget:
         return Plan(spec, "skip-done", frames)
     if frames is not None:
@@ -236,12 +257,40 @@ def train_command(args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "pixelsac.train", *args]
 
 
+def code_version() -> str:
+    """The commit the runs train with (``+ uncommitted changes`` when the tree differs from it)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return commit + (" + uncommitted changes" if dirty else "")
+
+
 def hardware_line() -> str:
     import torch
 
     device = (f"CUDA {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
               if torch.cuda.is_available() else "no CUDA device")
     return f"{os.cpu_count()} CPUs, torch {torch.__version__}, {device}"
+
+
+def relative(path: str | Path) -> str:
+    """A path inside the repository relative to it (records stay true on another machine)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def as_typed(command: Sequence[str]) -> str:
+    """A training command as a user would type it in the repository: ``python``, relative paths."""
+    words = ["python" if word == sys.executable else word for word in command]
+    words = [f"{word.split('=', 1)[0]}={relative(word.split('=', 1)[1])}"
+             if word.startswith(("run_dir=", "resume=")) else word for word in words]
+    return shlex.join(words)
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -284,7 +333,7 @@ def execute(plan: Plan, state: GridState) -> str:
     command = train_command(plan.args)
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    state.update_run(spec.key, status="running", action=plan.action, command=shlex.join(command))
+    state.update_run(spec.key, status="running", action=plan.action, command=as_typed(command))
     started = time.monotonic()
     with open(log, "a") as f:
         f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')} {plan.action}: {shlex.join(command)}\n")
@@ -471,6 +520,7 @@ def collect(out: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequen
         "grid command": f"`{spec.get('command', '(unknown: no grid.json)')}`",
         "hardware (collected on)": hardware_line(),
         "hardware (runs)": spec.get("hardware", "(unknown)"),
+        "code (runs)": spec.get("code", "(not recorded)"),
         "tasks": ", ".join(tasks), "modes": ", ".join(f"{m} ({' '.join(MODES[m])})" for m in modes),
         "seeds": ", ".join(map(str, seeds)), "overrides": " ".join(spec.get("overrides", [])) or "(none)",
         "written": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -478,6 +528,29 @@ def collect(out: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequen
     (out / "results.md").write_text(markdown(rows, header, notes))
     write_csv(rows, out / "results.csv")
     return rows
+
+
+def export(out: Path, dest: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int]) -> None:
+    """Copy the results (results.md/csv, curves, grid.json) and each finished or failed run's
+    EXPORTED_FILES to ``dest``, ``dest/runs/<task>/<mode>/s<seed>/`` for the runs."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("results.md", "results.csv", "curves.png", "curves.svg", "grid.json"):
+        if (out / name).is_file():
+            shutil.copy2(out / name, dest / name)
+    copied = 0
+    for task in tasks:
+        for mode in modes:
+            for seed in seeds:
+                run_dir = out / task / mode / f"s{seed}"
+                if not ((run_dir / "summary.json").is_file() or (run_dir / "failure.json").is_file()):
+                    continue  # still running, or never started
+                target = dest / "runs" / task / mode / f"s{seed}"
+                target.mkdir(parents=True, exist_ok=True)
+                for name in EXPORTED_FILES:
+                    if (run_dir / name).is_file():
+                        shutil.copy2(run_dir / name, target / name)
+                copied += 1
+    print(f"exported the results and {copied} finished runs to {dest}")
 
 
 # --- command line ---------------------------------------------------------------------------------------
@@ -497,6 +570,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
     parser.add_argument("--collect-only", action="store_true", help="only (re)write results from existing runs")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples for the IQM CI")
+    parser.add_argument("--export", default=None,
+                        help="also copy the results and each finished run's metrics, summary and config (no "
+                             "checkpoints) here, e.g. docs/results/NAME; copying its runs/ back into --out lets a "
+                             "later invocation on another machine skip them")
 
     def error(message: str) -> None:
         raise GridError(message)
@@ -547,6 +624,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             budgets = sorted({final // 2, final})
         collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples)
         print(f"wrote {out / 'results.md'}, {out / 'results.csv'}")
+        if args.export:
+            export(out, Path(args.export), tasks, modes, seeds)
         return 0
 
     specs = build_grid(tasks, modes, seeds, args.obs, args.overrides, out)
@@ -567,8 +646,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
 
     state.data["spec"] = {"tasks": tasks, "modes": modes, "seeds": seeds, "obs": args.obs,
-                          "overrides": list(args.overrides), "budget": final, "out": str(out),
-                          "jobs": args.jobs, "command": command_line(argv), "hardware": hardware_line()}
+                          "overrides": list(args.overrides), "budget": final, "out": relative(out),
+                          "jobs": args.jobs, "command": command_line(argv), "hardware": hardware_line(),
+                          "code": code_version()}
     state.data.setdefault("invocations", []).append(
         {"command": command_line(argv), "time": datetime.datetime.now().isoformat(timespec="seconds")})
     for plan in plans:
@@ -592,6 +672,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples)
         print(f"wrote {out / 'results.md'}, {out / 'results.csv'}")
+        if args.export:
+            export(out, Path(args.export), tasks, modes, seeds)
     except GridError as exc:
         print(f"warning: no results: {exc}", file=sys.stderr)
     return 1 if any(s in ("crashed", "refused") for s in statuses) else 0
