@@ -7,7 +7,9 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+# two on CI's 2 cores; PIXELSAC_TEST_THREADS=1 beside a background run (two threads on a busy core
+# spin-wait for each other: the small-op tests ran ~10x slower)
+torch.set_num_threads(int(os.environ.get("PIXELSAC_TEST_THREADS", "2")))
 
 # Tiny but complete configuration for CPU tests: same code paths as a full run.
 TINY = [

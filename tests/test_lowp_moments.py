@@ -209,18 +209,67 @@ def test_unbiased_step_is_deterministic_and_resumes_bitwise():
     assert torch.equal(state["exp_avg_root"], resumed_state["exp_avg_root"])
 
 
-def test_unbiased_step_chunks_give_the_same_result_as_one_pass():
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("kahan", [True, False])
+@pytest.mark.parametrize("capturable", [False, True])
+def test_unbiased_step_is_the_same_whatever_the_packing(dtype, kahan, capturable):
+    """Packing parameters into shared float32 workspaces (and splitting large ones) is only an
+    execution detail: one pass per element (chunk 1), a tensor per pack, several tensors per
+    pack and everything in one pack give the same weights and state bit for bit -- with a
+    parameter that misses gradients (its own step count), channels-last weights and a skipped
+    step."""
     results = []
-    for chunk in (1 << 20, 7):
+    for chunk in (1 << 20, 1, 7, 40):
         gen = torch.Generator().manual_seed(0)
-        params = [torch.randn(5, 6, generator=gen).to(F16).requires_grad_(), torch.randn(3, generator=gen).to(F16).requires_grad_()]
-        opt = HAdam(params, lr=1e-3, eps=1e-4, kahan=True, unbiased_moments=True, chunk_numel=chunk)
-        for _ in range(5):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen).to(F16)
-            opt.step()
-        results.append([p.detach().clone() for p in params] + [opt.state[p]["exp_avg_root"].clone() for p in params])
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+        shapes = [(4, 3, 3, 3), (4,), (5, 6), (3,), ()]
+        params = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
+        params[0] = params[0].to(memory_format=torch.channels_last)
+        params = [p.requires_grad_() for p in params]
+        opt = HAdam(params, lr=1e-3, eps=1e-4, kahan=kahan, capturable=capturable, unbiased_moments=True,
+                    seed=5, chunk_numel=chunk)
+        for step in range(6):
+            for i, p in enumerate(params):
+                grad = (torch.randn(p.shape, generator=gen) * 50).to(dtype)
+                p.grad = None if (i == 2 and step % 2) else grad.to(memory_format=torch.preserve_format)
+            if capturable:
+                opt.step(found_inf=torch.tensor(float(step == 3)))
+            else:
+                opt.step()
+        results.append([p.detach().clone() for p in params]
+                       + [opt.state[p][k].clone() for p in params for k in ("exp_avg", "exp_avg_root")]
+                       + [torch.as_tensor(opt.state[p]["step"]).clone() for p in params])
+    assert results[0][-3] != results[0][-1]  # the parameter without some gradients lags behind
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_stochastic_rounding_of_several_streams_in_one_call_is_one_call_per_stream():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(300, generator=gen)
+    keys, parts = [mix_key(1, 2), mix_key(3, torch.tensor(4.0)), 2**32 - 1], [(0, 100), (100, 250), (250, 300)]
+    counter = torch.cat([torch.arange(b - a) + 7 for a, b in parts])
+    per_element = torch.cat([torch.full((b - a,), int(k) & 0xFFFFFFFF, dtype=torch.int64) for k, (a, b) in zip(keys, parts)])
+    for dtype in (F16, BF16):
+        together = stochastic_round(x, dtype, per_element, counter=counter)
+        apart = torch.cat([stochastic_round(x[a:b], dtype, k, offset=7) for k, (a, b) in zip(keys, parts)])
+        assert torch.equal(together, apart)
+        assert not torch.equal(together, stochastic_round(x, dtype, per_element + 1, counter=counter))
+
+
+def test_random_bits_match_the_hash_written_in_exact_integers():
+    """The wrapping int32 arithmetic equals lowbias32 computed on Python integers."""
+    def lowbias32(v: int) -> int:
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & 0xFFFFFFFF
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & 0xFFFFFFFF
+        return v ^ (v >> 16)
+
+    for key in (0, 9, 2**31 + 5, 2**32 - 1):
+        bits = random_bits(50, key, 13, "cpu", offset=2**20)
+        expected = [(lowbias32(lowbias32((i * 0x27D4EB2F + key) & 0xFFFFFFFF)) >> 8) & 0x1FFF
+                    for i in range(2**20, 2**20 + 50)]
+        assert bits.tolist() == expected
 
 
 def test_channels_last_parameters_step_like_contiguous_ones():

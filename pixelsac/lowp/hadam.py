@@ -69,13 +69,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from .kahan import kahan_add_
-from .rounding import mix_key, stochastic_round
+from .rounding import as_int32, mix_key, stochastic_round
 
 __all__ = ["HAdam"]
 
@@ -136,9 +137,15 @@ def _unbiased(group: dict[str, Any], bucket: dict[str, Any]) -> bool:
     return bool(group.get("unbiased_moments", False)) and bucket["params"][0].dtype in (torch.float16, torch.bfloat16)
 
 
-def _write(target: torch.Tensor, value: torch.Tensor, take: torch.Tensor | None) -> None:
-    """``target <- value``, or only where the 0-dim bool ``take`` is true (decided on the device)."""
-    target.copy_(value if take is None else torch.where(take, value, target))
+@dataclass
+class _Pack:
+    """Consecutive parameter segments ``(position in bucket, first element, length)`` whose
+    unbiased step runs as one float32 workspace."""
+
+    kahan: bool
+    step: int | None  # the shared step count on the host path (None: device counts)
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    numel: int = 0
 
 
 class HAdam(Optimizer):
@@ -388,32 +395,74 @@ class HAdam(Optimizer):
             torch._foreach_lerp_(params, torch._foreach_add(params, updates), ok)
 
     # ------------------------------------------------------------------ unbiased arithmetic
-    def _fp32_chunks(self, bucket: dict[str, Any], with_state: bool = True):
-        """Yield (position in bucket, element offset, 1-D views of g, m, s, p, c) per chunk of at
-        most ``chunk_numel`` elements, in each parameter's own memory order."""
-        for position, (param, grad, state) in enumerate(zip(bucket["params"], bucket["grads"], bucket["states"])):
-            flat_param = _flat(param)
-            flat_grad = _flat(grad, like=param)
-            flat_avg, flat_root = _flat(state["exp_avg"]), _flat(state["exp_avg_root"])
-            flat_comp = _flat(state["kahan_comp"]) if "kahan_comp" in state else None
-            for start in range(0, flat_param.numel(), self.chunk_numel):
-                part = slice(start, start + self.chunk_numel)
-                yield (position, start, flat_grad[part], flat_avg[part], flat_root[part], flat_param[part],
-                       None if flat_comp is None else flat_comp[part])
+    def _fp32_packs(self, bucket: dict[str, Any]) -> list[_Pack]:
+        """The bucket's elements as packs of at most ``chunk_numel``: consecutive parameters
+        packed whole (one float32 workspace and one pass of ops for many small tensors, where a
+        pass per tensor would be all per-op overhead), a larger one split into chunks of its
+        own. A pack never mixes parameters with and without a Kahan buffer, nor (on the host
+        path) different step counts, so its bias corrections are scalars."""
+        capturable = torch.is_tensor(bucket["states"][0]["step"]) if bucket["states"] else False
+        packs: list[_Pack] = []
+        current: _Pack | None = None
+        for position, (param, state) in enumerate(zip(bucket["params"], bucket["states"])):
+            numel, kahan = param.numel(), "kahan_comp" in state
+            step = None if capturable else state["step"]
+            for start in range(0, numel, self.chunk_numel):
+                length = min(self.chunk_numel, numel - start)
+                if (current is None or current.numel + length > self.chunk_numel or current.kahan != kahan
+                        or current.step != step):
+                    current = _Pack(kahan=kahan, step=step)
+                    packs.append(current)
+                current.segments.append((position, start, length))
+                current.numel += length
+        return packs
+
+    def _pack_views(self, bucket: dict[str, Any], pack: _Pack) -> dict[str, list[torch.Tensor]]:
+        """1-D views, in each parameter's own memory order, of every segment of a pack."""
+        views: dict[str, list[torch.Tensor]] = {"grad": [], "exp_avg": [], "exp_avg_root": [], "param": [],
+                                                "kahan_comp": []}
+        flats: dict[int, dict[str, torch.Tensor]] = {}
+        for position, start, length in pack.segments:
+            if position not in flats:
+                param, state = bucket["params"][position], bucket["states"][position]
+                flats[position] = {"grad": _flat(bucket["grads"][position], like=param), "param": _flat(param),
+                                   "exp_avg": _flat(state["exp_avg"]), "exp_avg_root": _flat(state["exp_avg_root"])}
+                if pack.kahan:
+                    flats[position]["kahan_comp"] = _flat(state["kahan_comp"])
+            for name, flat in flats[position].items():
+                views[name].append(flat[start:start + length])
+        return views
+
+    @staticmethod
+    def _joined(views: list[torch.Tensor]) -> torch.Tensor:
+        """The segments as one 1-D tensor (no copy for a single segment)."""
+        return views[0] if len(views) == 1 else torch.cat(views)
+
+    def _pack_root32(self, group: dict[str, Any], views: dict[str, list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        """float32 ``g`` and the new ``s = hypot((1-β1)|g|, sqrt(β2)·s)`` of a pack."""
+        beta1, beta2 = group["betas"]
+        grad32 = self._joined(views["grad"]).float()
+        root32 = torch.hypot(grad32.abs().mul_(1.0 - beta1), self._joined(views["exp_avg_root"]).float()
+                             .mul_(math.sqrt(beta2)))
+        return grad32, root32
 
     def _fp32_overflows(self, group: dict[str, Any], bucket: dict[str, Any]) -> torch.Tensor:
-        beta1, beta2 = group["betas"]
         largest = torch.finfo(bucket["params"][0].dtype).max
+        packs = self._fp32_packs(bucket)
         flags = []
-        for _, _, grad, _, root, _, _ in self._fp32_chunks(bucket):
-            new_root = torch.hypot(grad.float().abs_().mul_(1.0 - beta1), root.float().mul_(math.sqrt(beta2)))
-            flags.append(~(new_root <= largest).all())  # NaN counts as overflow too
+        for pack in packs:
+            views = self._pack_views(bucket, pack)
+            grad32, root32 = self._pack_root32(group, views)
+            flags.append(~(root32 <= largest).all())  # NaN counts as overflow too
+            if len(packs) == 1:  # one pack: keep its work for the step (at most chunk_numel floats)
+                bucket["fp32_pack"] = (pack, views, grad32, root32)
         return torch.stack(flags).any()
 
     def _fp32_apply(self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None) -> None:
-        """One element's step in float32, written back once (RN for m and p, SR for s)."""
+        """One element's step in float32, written back once (RN for m and p, SR for s), a pack
+        of parameters at a time."""
         beta1, beta2 = group["betas"]
-        lr, eps, kahan, capturable = group["lr"], group["eps"], group["kahan"], group.get("capturable", False)
+        lr, eps, capturable = group["lr"], group["eps"], group.get("capturable", False)
         params, states = bucket["params"], bucket["states"]
         dtype, device = params[0].dtype, params[0].device
         if torch.is_tensor(eps):
@@ -431,30 +480,86 @@ class HAdam(Optimizer):
                 root_correction = math.sqrt(1.0 - beta2**t)
                 step_size = -lr * (1.0 - beta1) / (math.sqrt(1.0 - beta2) * (1.0 - beta1**t))
             corrections.append((root_correction, step_size))
-        for position, start, grad, avg, root, param, comp in self._fp32_chunks(bucket):
-            root_correction, step_size = corrections[position]
-            state = states[position]
-            grad32 = grad.float()
-            avg32 = avg.float().lerp_(grad32, 1.0 - beta1)
-            root32 = torch.hypot(grad32.abs_().mul_(1.0 - beta1), root.float().mul_(math.sqrt(beta2)))
-            del grad32
+        cached = bucket.pop("fp32_pack", None)
+        for pack in self._fp32_packs(bucket) if cached is None else [cached[0]]:
+            if cached is None:
+                views = self._pack_views(bucket, pack)
+                grad32, root32 = self._pack_root32(group, views)
+            else:
+                _, views, grad32, root32 = cached
+            positions = [position for position, _, _ in pack.segments]
+            lengths = [length for _, _, length in pack.segments]
+            root_correction = self._per_element([corrections[p][0] for p in positions], lengths, device, pack.numel)
+            step_size = self._per_element([corrections[p][1] for p in positions], lengths, device, pack.numel)
+            # the stochastic-rounding streams: one per (parameter, t), indexed by element
+            keys = [mix_key(self.seed, bucket["indices"][p], states[p]["step"]) for p in positions]
+            counter = self._counter(pack, device)
+            key = self._keys(keys, lengths, device, pack.numel)
+            avg16 = self._joined(views["exp_avg"])
+            avg32 = avg16.float().lerp_(grad32, 1.0 - beta1)
             denom32 = (root32 / root_correction).add_(eps).clamp_min_(tiny32)
             update32 = avg32.div(denom32).mul_(step_size)
-            del denom32
-            key = mix_key(self.seed, bucket["indices"][position], state["step"])
-            new_root = stochastic_round(root32, dtype, key, offset=start)
-            _write(avg, avg32.to(dtype), take)
-            _write(root, new_root, take)
+            del denom32, grad32
+            new_root = stochastic_round(root32, dtype, key, counter=counter)
+            self._write(views["exp_avg"], avg32.to(dtype), avg16, take, lengths)
+            self._write(views["exp_avg_root"], new_root, None if take is None else
+                        self._joined(views["exp_avg_root"]), take, lengths)
             del avg32, root32, new_root
-            param32 = param.float()
-            if comp is not None:  # Kahan with the float32 update: y = u - c, t = RN(p + y), c = RN((t - p) - y)
-                update32.sub_(comp.float())
+            param16 = self._joined(views["param"])
+            param32 = param16.float()
+            if pack.kahan:  # Kahan with the float32 update: y = u - c, t = RN(p + y), c = RN((t - p) - y)
+                comp16 = self._joined(views["kahan_comp"])
+                update32.sub_(comp16.float())
                 new_param = (param32 + update32).to(dtype)
-                _write(comp, new_param.float().sub_(param32).sub_(update32).to(dtype), take)
+                self._write(views["kahan_comp"], new_param.float().sub_(param32).sub_(update32).to(dtype), comp16,
+                            take, lengths)
             else:  # no compensation buffer: round stochastically, so sub-ulp steps add up on average
-                new_param = stochastic_round(param32.add_(update32), dtype, mix_key(key, 1), offset=start)
-            _write(param, new_param, take)
+                param_key = self._keys([mix_key(k, 1) for k in keys], lengths, device, pack.numel)
+                new_param = stochastic_round(param32.add_(update32), dtype, param_key, counter=counter)
+            self._write(views["param"], new_param, param16, take, lengths)
 
+    @staticmethod
+    def _repeat(values: torch.Tensor, lengths: list[int], numel: int) -> torch.Tensor:
+        """``values[i]`` repeated ``lengths[i]`` times (the output size given: no host read)."""
+        return torch.repeat_interleave(values, torch.tensor(lengths, device=values.device), output_size=numel)
+
+    def _per_element(self, values: list[float | torch.Tensor], lengths: list[int], device: torch.device,
+                     numel: int) -> float | torch.Tensor:
+        """A pack's per-segment scalar: as it is when the pack has one segment or one host
+        value (the host path packs equal steps only), else float32 per element -- the same
+        IEEE operations as a 0-dim float32 tensor per segment."""
+        if len(values) == 1 or not torch.is_tensor(values[0]):
+            return values[0]
+        return self._repeat(torch.stack([v.to(device) for v in values]), lengths, numel)
+
+    def _keys(self, keys: list[int | torch.Tensor], lengths: list[int], device: torch.device,
+              numel: int) -> int | torch.Tensor:
+        """One stochastic-rounding key per segment as the pack's key: itself for one segment,
+        else int32 per element (the key's low 32 bits, all the hash uses)."""
+        if len(keys) == 1:
+            return keys[0]
+        small = torch.stack([torch.as_tensor(k, dtype=torch.int64, device=device) for k in keys])
+        return self._repeat(as_int32(small), lengths, numel)
+
+    @staticmethod
+    def _counter(pack: _Pack, device: torch.device) -> torch.Tensor:
+        """Every element's index within its own parameter (its stochastic-rounding counter)."""
+        if len(pack.segments) == 1:
+            _, start, length = pack.segments[0]
+            return torch.arange(start, start + length, dtype=torch.int32, device=device)
+        return torch.cat([torch.arange(start, start + length, dtype=torch.int32, device=device)
+                          for _, start, length in pack.segments])
+
+    @staticmethod
+    def _write(targets: list[torch.Tensor], value: torch.Tensor, old: torch.Tensor | None,
+               take: torch.Tensor | None, lengths: list[int]) -> None:
+        """Each segment view ``<- value``'s part, or only where the 0-dim bool ``take`` is true."""
+        if take is not None:
+            value = torch.where(take, value, old)
+        if len(targets) == 1:
+            targets[0].copy_(value)
+        else:
+            torch._foreach_copy_(targets, list(value.split(lengths)))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load moments and hyperparameters, but keep this optimizer's ``capturable``: whether a
