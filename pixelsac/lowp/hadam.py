@@ -448,7 +448,7 @@ class HAdam(Optimizer):
 
     def _fp32_overflows(self, group: dict[str, Any], bucket: dict[str, Any]) -> torch.Tensor:
         largest = torch.finfo(bucket["params"][0].dtype).max
-        packs = self._fp32_packs(bucket)
+        packs = bucket["fp32_packs"] = self._fp32_packs(bucket)  # the layout, once per step
         flags = []
         for pack in packs:
             views = self._pack_views(bucket, pack)
@@ -481,7 +481,8 @@ class HAdam(Optimizer):
                 step_size = -lr * (1.0 - beta1) / (math.sqrt(1.0 - beta2) * (1.0 - beta1**t))
             corrections.append((root_correction, step_size))
         cached = bucket.pop("fp32_pack", None)
-        for pack in self._fp32_packs(bucket) if cached is None else [cached[0]]:
+        packs = bucket.pop("fp32_packs", None) or self._fp32_packs(bucket)
+        for pack in packs if cached is None else [cached[0]]:
             if cached is None:
                 views = self._pack_views(bucket, pack)
                 grad32, root32 = self._pack_root32(group, views)
@@ -489,12 +490,12 @@ class HAdam(Optimizer):
                 _, views, grad32, root32 = cached
             positions = [position for position, _, _ in pack.segments]
             lengths = [length for _, _, length in pack.segments]
-            root_correction = self._per_element([corrections[p][0] for p in positions], lengths, device, pack.numel)
-            step_size = self._per_element([corrections[p][1] for p in positions], lengths, device, pack.numel)
+            root_correction = self._per_element([corrections[p][0] for p in positions], lengths, device)
+            step_size = self._per_element([corrections[p][1] for p in positions], lengths, device)
             # the stochastic-rounding streams: one per (parameter, t), indexed by element
             keys = [mix_key(self.seed, bucket["indices"][p], states[p]["step"]) for p in positions]
             counter = self._counter(pack, device)
-            key = self._keys(keys, lengths, device, pack.numel)
+            key = self._keys(keys, lengths, device)
             avg16 = self._joined(views["exp_avg"])
             avg32 = avg16.float().lerp_(grad32, 1.0 - beta1)
             denom32 = (root32 / root_correction).add_(eps).clamp_min_(tiny32)
@@ -514,32 +515,32 @@ class HAdam(Optimizer):
                 self._write(views["kahan_comp"], new_param.float().sub_(param32).sub_(update32).to(dtype), comp16,
                             take, lengths)
             else:  # no compensation buffer: round stochastically, so sub-ulp steps add up on average
-                param_key = self._keys([mix_key(k, 1) for k in keys], lengths, device, pack.numel)
+                param_key = self._keys([mix_key(k, 1) for k in keys], lengths, device)
                 new_param = stochastic_round(param32.add_(update32), dtype, param_key, counter=counter)
             self._write(views["param"], new_param, param16, take, lengths)
 
     @staticmethod
-    def _repeat(values: torch.Tensor, lengths: list[int], numel: int) -> torch.Tensor:
-        """``values[i]`` repeated ``lengths[i]`` times (the output size given: no host read)."""
-        return torch.repeat_interleave(values, torch.tensor(lengths, device=values.device), output_size=numel)
+    def _spread(values: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+        """``values[i]`` (0-dim, on the device) repeated ``lengths[i]`` times, with device ops
+        only: no host-built index tensor to copy over, so a CUDA graph can capture it."""
+        return torch.cat([value.reshape(1).expand(length) for value, length in zip(values, lengths)])
 
-    def _per_element(self, values: list[float | torch.Tensor], lengths: list[int], device: torch.device,
-                     numel: int) -> float | torch.Tensor:
+    def _per_element(self, values: list[float | torch.Tensor], lengths: list[int],
+                     device: torch.device) -> float | torch.Tensor:
         """A pack's per-segment scalar: as it is when the pack has one segment or one host
         value (the host path packs equal steps only), else float32 per element -- the same
         IEEE operations as a 0-dim float32 tensor per segment."""
         if len(values) == 1 or not torch.is_tensor(values[0]):
             return values[0]
-        return self._repeat(torch.stack([v.to(device) for v in values]), lengths, numel)
+        return self._spread([v.to(device) for v in values], lengths)
 
-    def _keys(self, keys: list[int | torch.Tensor], lengths: list[int], device: torch.device,
-              numel: int) -> int | torch.Tensor:
+    def _keys(self, keys: list[int | torch.Tensor], lengths: list[int], device: torch.device) -> int | torch.Tensor:
         """One stochastic-rounding key per segment as the pack's key: itself for one segment,
         else int32 per element (the key's low 32 bits, all the hash uses)."""
         if len(keys) == 1:
             return keys[0]
-        small = torch.stack([torch.as_tensor(k, dtype=torch.int64, device=device) for k in keys])
-        return self._repeat(as_int32(small), lengths, numel)
+        return self._spread([as_int32(k).to(device) if torch.is_tensor(k)
+                             else torch.tensor(as_int32(k), dtype=torch.int32, device=device) for k in keys], lengths)
 
     @staticmethod
     def _counter(pack: _Pack, device: torch.device) -> torch.Tensor:

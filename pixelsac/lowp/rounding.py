@@ -104,7 +104,7 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, key: int | torch.Tenso
         dtype: ``torch.float16`` or ``torch.bfloat16``; float32 returns ``x`` unchanged.
         key: selects the random stream (see :func:`mix_key`); equal keys give equal roundings.
         offset: index of ``x``'s first element in a larger stream that shares ``key``.
-        counter: instead of ``offset``, every element's index in its stream (int64, ``x``'s
+        counter: instead of ``offset``, every element's index in its stream (integers, ``x``'s
             numel), with ``key`` a tensor of keys per element: several streams rounded in one
             call, bit for bit as one call per stream.
 
