@@ -12,7 +12,7 @@ export MALLOC_TRIM_THRESHOLD_ ?= 68719476736
 export MALLOC_TOP_PAD_ ?= 1073741824
 GL_PKGS := libegl1 libegl-mesa0 libgl1-mesa-dri
 
-.PHONY: setup demo test clean-venv
+.PHONY: setup demo test lint format clean-venv
 
 setup: $(STAMP)
 
@@ -32,8 +32,17 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(PY) -m pixelsac.train preset=tiny run_dir=runs/demo overwrite=true
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q
+
+# ruff (pinned in constraints.txt, configured in pyproject.toml): lint rules and formatting
+lint: setup
+	$(PY) -m ruff check pixelsac tests tools
+	$(PY) -m ruff format --check pixelsac tests tools
+
+format: setup
+	$(PY) -m ruff check --fix pixelsac tests tools
+	$(PY) -m ruff format pixelsac tests tools
 
 clean-venv:
 	rm -rf .venv

@@ -42,10 +42,7 @@ class RandomShift(nn.Module):
             raise ValueError(f"RandomShift backend {backend!r}: choose one of {', '.join(BACKENDS)}")
         self.pad = pad
         self.backend = backend
-        self.crop = (
-            K.RandomCrop((image_size, image_size), padding=pad, padding_mode="replicate")
-            if pad > 0 else None
-        )
+        self.crop = K.RandomCrop((image_size, image_size), padding=pad, padding_mode="replicate") if pad > 0 else None
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.crop is None or images.dim() != 4:

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import TQDMProgressBar
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ProgressBar as LightningProgressBar
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from pixelsac.collect import Collector, run_episodes
 from pixelsac.envs import DMCEnv
@@ -32,8 +33,11 @@ def _log(trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
 
 
 def _counters(collector: Collector, module: Any) -> dict[str, float]:
-    return {"env_frames": collector.total_env_frames, "agent_steps": collector.total_agent_steps,
-            "updates": module.updates}
+    return {
+        "env_frames": collector.total_env_frames,
+        "agent_steps": collector.total_agent_steps,
+        "updates": module.updates,
+    }
 
 
 class TrainingLogger(L.Callback):
@@ -45,8 +49,15 @@ class TrainingLogger(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         counters = _counters(self.collector, module)
         for episode in self.collector.drain_episodes():
-            _log(trainer, {"train/episode_return": episode.ret, "train/episode_length": episode.length,
-                           "env_frames": episode.env_frames}, step=episode.env_frames)
+            _log(
+                trainer,
+                {
+                    "train/episode_return": episode.ret,
+                    "train/episode_length": episode.length,
+                    "env_frames": episode.env_frames,
+                },
+                step=episode.env_frames,
+            )
             module.log("return", episode.ret, prog_bar=True, logger=False, batch_size=1)
         if module.metrics:
             metrics, module.metrics = module.metrics, {}
@@ -70,6 +81,56 @@ class ProgressBar(TQDMProgressBar):
         metrics = super().get_metrics(trainer, module)
         metrics.pop("v_num", None)
         return {"frames": str(self.collector.total_env_frames), **metrics}
+
+
+class PlainProgress(LightningProgressBar):
+    """Progress for a log that is not a terminal (nohup, CI, SLURM): one plain line every
+    ``every_seconds`` -- env frames of the budget, updates, frames/s since the last line, the
+    latest evaluation -- instead of a bar redrawn with a carriage return on every update."""
+
+    def __init__(
+        self,
+        collector: Collector,
+        budget_frames: int,
+        every_seconds: float = 30.0,
+        clock: Any = time.monotonic,
+        out: Any = print,
+    ) -> None:
+        super().__init__()
+        self.collector, self.budget_frames, self.every_seconds = collector, budget_frames, every_seconds
+        self._clock, self._out = clock, out
+        self._enabled = True
+        self._last_time: float | None = None
+        self._last_frames = 0
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._last_time, self._last_frames = self._clock(), self.collector.total_env_frames
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = self._clock()
+        if not self._enabled or self._last_time is None or now - self._last_time < self.every_seconds:
+            return
+        self._out(self.line(trainer, pl_module, now), flush=True)
+
+    def line(self, trainer: L.Trainer, pl_module: Any, now: float) -> str:
+        frames = self.collector.total_env_frames
+        rate = (frames - self._last_frames) / max(now - self._last_time, 1e-9)
+        self._last_time, self._last_frames = now, frames
+        share = f" ({frames / self.budget_frames:.0%})" if self.budget_frames > 0 else ""
+        text = (
+            f"progress: env frames {frames:,}/{self.budget_frames:,}{share}, "
+            f"updates {getattr(pl_module, 'updates', 0):,}, {rate:,.1f} frames/s"
+        )
+        last_eval = trainer.callback_metrics.get("eval/return")
+        if last_eval is not None:
+            text += f", last eval return {float(last_eval):.1f}"
+        return text
 
 
 class StopWhenCollected(L.Callback):
@@ -98,9 +159,18 @@ class Evaluator(L.Callback):
     logged. A final evaluation given up this way is what ``resume`` then runs.
     """
 
-    def __init__(self, env: DMCEnv, collector: Collector, checkpointer: "Checkpointer",
-                 every_frames: int, episodes: int, video_dir: Path | None = None,
-                 video_every_evals: int = 0, video_size: int = 256, stop: StopRequest | None = None) -> None:
+    def __init__(
+        self,
+        env: DMCEnv,
+        collector: Collector,
+        checkpointer: Checkpointer,
+        every_frames: int,
+        episodes: int,
+        video_dir: Path | None = None,
+        video_every_evals: int = 0,
+        video_size: int = 256,
+        stop: StopRequest | None = None,
+    ) -> None:
         self.env, self.collector, self.checkpointer, self.stop = env, collector, checkpointer, stop
         self.every_frames, self.episodes = every_frames, episodes
         self.video_dir, self.video_every_evals, self.video_size = video_dir, video_every_evals, video_size
@@ -110,8 +180,13 @@ class Evaluator(L.Callback):
         self.evaluations = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_eval": self.next_eval, "best_return": self.best_return, "evaluations": self.evaluations,
-                "last_eval_frames": self.last_eval_frames, "env_rng": self.env.get_rng_state()}
+        return {
+            "next_eval": self.next_eval,
+            "best_return": self.best_return,
+            "evaluations": self.evaluations,
+            "last_eval_frames": self.last_eval_frames,
+            "env_rng": self.env.get_rng_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_eval = int(state["next_eval"])
@@ -158,12 +233,18 @@ class Evaluator(L.Callback):
         zero = trainer.is_global_zero
         start = time.perf_counter()
         env_rng = self.env.get_rng_state() if zero and self.stop is not None else None
-        film = bool(self.video_dir and self.video_every_evals
-                    and (self.evaluations + 1) % self.video_every_evals == 1 % self.video_every_evals)
+        film = bool(
+            self.video_dir
+            and self.video_every_evals
+            and (self.evaluations + 1) % self.video_every_evals == 1 % self.video_every_evals
+        )
         recorder = EpisodeRecorder(size=self.video_size, episodes={0}) if film and zero else None
         abandon = (lambda: self.stop.pending) if self.stop is not None else None
-        returns = run_episodes(self.env, module.act, self.episodes, on_frame=recorder,
-                               should_abandon=abandon) if zero else [math.nan]
+        returns = (
+            run_episodes(self.env, module.act, self.episodes, on_frame=recorder, should_abandon=abandon)
+            if zero
+            else [math.nan]
+        )
         mean = math.nan if returns is None else float(np.mean(returns))
         # only rank 0 evaluates; every rank must agree on saving (saving is collective)
         gave_up, improved, mean = trainer.strategy.broadcast((returns is None, mean > self.best_return, mean), src=0)
@@ -178,8 +259,16 @@ class Evaluator(L.Callback):
         if recorder is not None:
             recorder.save(self.video_dir / f"eval_{frames:09d}.mp4")
         if zero:
-            _log(trainer, {"eval/return": mean, "eval/return_std": float(np.std(returns)),
-                           "eval/seconds": time.perf_counter() - start, **_counters(self.collector, module)}, step=frames)
+            _log(
+                trainer,
+                {
+                    "eval/return": mean,
+                    "eval/return_std": float(np.std(returns)),
+                    "eval/seconds": time.perf_counter() - start,
+                    **_counters(self.collector, module),
+                },
+                step=frames,
+            )
             for logger in trainer.loggers:
                 logger.save()
         if improved:
@@ -208,8 +297,14 @@ class Checkpointer(L.Callback):
     (the second one) exits at once rather than after the write (see :mod:`pixelsac.stopping`).
     """
 
-    def __init__(self, run_dir: Path, collector: Collector, save_replay: bool, max_wait_steps: int = 10**9,
-                 stop: StopRequest | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        collector: Collector,
+        save_replay: bool,
+        max_wait_steps: int = 10**9,
+        stop: StopRequest | None = None,
+    ) -> None:
         self.folder = Path(run_dir) / "checkpoints"
         self.stop = stop
         self.collector = collector
@@ -241,7 +336,8 @@ class Checkpointer(L.Callback):
         cuda = [t for t in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
         return {
             "collector": self.collector.state_dict(),
-            "torch_rng": torch.get_rng_state(), "cuda_rng": cuda,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": cuda,
             "python_rng": random.getstate(),
             "replay_file": self._replay_file,
         }
@@ -260,8 +356,10 @@ class Checkpointer(L.Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ranks = state.get("ranks")
         if ranks is not None and len(ranks) != self._world:
-            raise ValueError(f"the checkpoint holds the collection state of {len(ranks)} ranks; this run has "
-                             f"{self._world} (trainer.devices x trainer.num_nodes must match to resume)")
+            raise ValueError(
+                f"the checkpoint holds the collection state of {len(ranks)} ranks; this run has "
+                f"{self._world} (trainer.devices x trainer.num_nodes must match to resume)"
+            )
         if ranks is not None:
             state = ranks[self._rank]
         self.collector.load_state_dict(state["collector"])

@@ -37,29 +37,33 @@ def resolve(path: str | Path, prefer: str = "best") -> Path:
         for name in order:
             if (folder / f"{name}.ckpt").is_file():
                 return folder / f"{name}.ckpt"
-        raise CheckpointError(f"no checkpoint in {path} (looked for {', '.join(f'{n}.ckpt' for n in order)} "
-                              f"in {folder}); pass a .ckpt file or a run directory")
+        raise CheckpointError(
+            f"no checkpoint in {path} (looked for {', '.join(f'{n}.ckpt' for n in order)} "
+            f"in {folder}); pass a .ckpt file or a run directory"
+        )
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a .ckpt file or a run directory")
     return path
 
 
-def load(path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False,
-         prefer: str = "best") -> dict[str, Any]:
+def load(
+    path: str | Path, map_location: str | torch.device = "cpu", trust: bool = False, prefer: str = "best"
+) -> dict[str, Any]:
     """Load and validate a pixelsac checkpoint (``path`` may be a run directory)."""
     file = resolve(path, prefer)
     try:
         checkpoint = torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "GLOBAL" not in str(exc) and "global" not in str(exc):  # torch names the refused class
-            raise CheckpointError(f"{file} is not a readable checkpoint, or is truncated ({_first_line(exc)})") from exc
+            raise CheckpointError(f"{file} is not a readable checkpoint, or is truncated ({first_line(exc)})") from exc
         if not trust:
             raise CheckpointError(
                 f"{file} holds pickled Python objects, which could run code when loaded; refusing. "
-                "Pass trust_checkpoint=true only if you trust where the file came from") from exc
+                "Pass trust_checkpoint=true only if you trust where the file came from"
+            ) from exc
         checkpoint = _load_trusted(file, map_location)
     except Exception as exc:  # truncated zip, not a torch file at all, I/O errors...
-        raise CheckpointError(f"{file} is not a readable checkpoint, or is truncated ({_first_line(exc)})") from exc
+        raise CheckpointError(f"{file} is not a readable checkpoint, or is truncated ({first_line(exc)})") from exc
     return validate(checkpoint, file)
 
 
@@ -94,27 +98,54 @@ class ResumePoint:
         return f"resuming from {self.checkpoint} at env frame {self.env_frames}{how}"
 
 
+def callback_state(checkpoint: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The state a Lightning callback of class ``name`` saved (its key is the class name, or the
+    name followed by ``{...}`` for a callback that makes its state key from its arguments)."""
+    for key, state in (checkpoint.get("callbacks") or {}).items():
+        if (key == name or str(key).startswith(name + "{")) and isinstance(state, dict):
+            return state
+    return None
+
+
+def saved_counters(checkpoint: dict[str, Any]) -> dict[str, int | None]:
+    """Where a checkpoint was written: ``env_frames`` over all data-parallel ranks (what logs
+    count), ``world_size`` (None: written before it was recorded) and ``updates``; None where the
+    checkpoint does not record a figure."""
+    collected = (callback_state(checkpoint, "Checkpointer") or {}).get("collector") or {}
+    saved = callback_state(checkpoint, "Checkpointer") or {}
+    world = collected.get("world_size", len(saved["ranks"]) if saved.get("ranks") else None)
+    frames = collected.get("env_frames")
+    updates = (checkpoint.get("pixelsac") or {}).get("updates")
+    return {
+        "env_frames": None if frames is None else int(frames) * int(world or 1),
+        "world_size": None if world is None else int(world),
+        "updates": None if updates is None else int(updates),
+    }
+
+
 def resume_point(file: Path, checkpoint: dict[str, Any]) -> ResumePoint:
     """What a loaded checkpoint says about resuming from it (frames are totals over ranks)."""
-    try:
-        saved = checkpoint["callbacks"]["Checkpointer"]
-        collected = saved["collector"]
-        frames = int(collected["env_frames"])
-    except (KeyError, TypeError):
-        raise CheckpointError(f"{file} holds no training state to resume from") from None
-    world = collected.get("world_size", len(saved["ranks"]) if saved.get("ranks") else None)
-    total = frames * int(world or 1)
-    last_eval = int(checkpoint["callbacks"].get("Evaluator", {}).get("last_eval_frames", -1))
-    return ResumePoint(file, total, None if world is None else int(world),
-                       exact=bool(collected.get("at_episode_boundary", True)), final_eval_done=last_eval == total,
-                       stopped_by=saved.get("stopped_by"))
+    saved = callback_state(checkpoint, "Checkpointer")
+    counters = saved_counters(checkpoint)
+    if saved is None or counters["env_frames"] is None:
+        raise CheckpointError(f"{file} holds no training state to resume from")
+    total = counters["env_frames"]
+    last_eval = int((callback_state(checkpoint, "Evaluator") or {}).get("last_eval_frames", -1))
+    return ResumePoint(
+        file,
+        total,
+        counters["world_size"],
+        exact=bool(saved["collector"].get("at_episode_boundary", True)),
+        final_eval_done=last_eval == total,
+        stopped_by=saved.get("stopped_by"),
+    )
 
 
 def _load_trusted(file: Path, map_location: str | torch.device) -> dict[str, Any]:
     try:
         return torch.load(file, map_location=map_location, weights_only=False)
     except Exception as exc:  # anything: it is not a checkpoint we can use
-        raise CheckpointError(f"{file} is not a readable checkpoint ({_first_line(exc)})") from exc
+        raise CheckpointError(f"{file} is not a readable checkpoint ({first_line(exc)})") from exc
 
 
 def validate(checkpoint: Any, file: Path | str = "checkpoint") -> dict[str, Any]:
@@ -127,26 +158,14 @@ def validate(checkpoint: Any, file: Path | str = "checkpoint") -> dict[str, Any]
     version = ours.get("format", 1)
     if version not in READABLE_FORMATS:
         readable = " and ".join(map(str, READABLE_FORMATS))
-        raise CheckpointError(f"{file} has checkpoint format {version}; this pixelsac reads formats "
-                              f"{readable} -- use the pixelsac version that wrote it")
+        raise CheckpointError(
+            f"{file} has checkpoint format {version}; this pixelsac reads formats "
+            f"{readable} -- use the pixelsac version that wrote it"
+        )
     return checkpoint
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (or its type), at most 200 characters."""
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
-
-
-def module_from_checkpoint(checkpoint: dict[str, Any]):
-    """Rebuild the SACModule a checkpoint was written from (any precision, any device it was
-    trained on) with its weights, Kahan target copies and counters."""
-    from pixelsac.module import SACModule
-
-    hparams = checkpoint["hyper_parameters"]
-    module = SACModule(hparams["config"], tuple(hparams["obs_shape"]), int(hparams["action_dim"]))
-    try:
-        module.load_state_dict(checkpoint["state_dict"])
-    except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint weights do not fit the network its config describes ({_first_line(exc)})") from exc
-    module.on_load_checkpoint(checkpoint)
-    return module.eval()

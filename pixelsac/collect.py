@@ -14,8 +14,8 @@ stream takes one agent step, so collection and updates interleave exactly as in 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,8 +46,9 @@ class Collector:
     and RNG states: that is where checkpoints meant for exact resumption are taken.
     """
 
-    def __init__(self, envs: Any, replay: ReplaySet, act: ActFn, seed_steps: int,
-                 rng: np.random.Generator, world_size: int = 1) -> None:
+    def __init__(
+        self, envs: Any, replay: ReplaySet, act: ActFn, seed_steps: int, rng: np.random.Generator, world_size: int = 1
+    ) -> None:
         self.envs, self.replay, self.act = envs, replay, act
         self.world_size = world_size  # data-parallel ranks, each collecting the same amount
         self.num_envs = envs.num_envs
@@ -120,15 +121,21 @@ class Collector:
         """Counters and RNG states (plain containers). Taken mid-episode, a resume starts new
         episodes: only states taken at an episode boundary resume bit for bit."""
         return {
-            "agent_steps": self.agent_steps, "env_frames": self.env_frames, "episodes": self.episodes,
-            "rng": self.rng.bit_generator.state, "env_rngs": self.envs.get_rng_states(),
-            "at_episode_boundary": self.at_episode_boundary, "world_size": self.world_size,
+            "agent_steps": self.agent_steps,
+            "env_frames": self.env_frames,
+            "episodes": self.episodes,
+            "rng": self.rng.bit_generator.state,
+            "env_rngs": self.envs.get_rng_states(),
+            "at_episode_boundary": self.at_episode_boundary,
+            "world_size": self.world_size,
         }
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["env_rngs"]) != self.num_envs:
-            raise ValueError(f"the checkpoint collected with {len(state['env_rngs'])} envs; this run has "
-                             f"{self.num_envs} (env.num_envs must match to resume)")
+            raise ValueError(
+                f"the checkpoint collected with {len(state['env_rngs'])} envs; this run has "
+                f"{self.num_envs} (env.num_envs must match to resume)"
+            )
         self.agent_steps, self.env_frames = int(state["agent_steps"]), int(state["env_frames"])
         self.episodes = int(state["episodes"])
         self.rng.bit_generator.state = state["rng"]
@@ -146,8 +153,14 @@ class ExperienceStream(IterableDataset):
     land between updates even during the seed steps, which take no updates at all.
     """
 
-    def __init__(self, collector: Collector, batch_size: int, total_agent_steps: int,
-                 updates_per_step: int, rng: np.random.Generator) -> None:
+    def __init__(
+        self,
+        collector: Collector,
+        batch_size: int,
+        total_agent_steps: int,
+        updates_per_step: int,
+        rng: np.random.Generator,
+    ) -> None:
         super().__init__()
         self.collector = collector
         self.batch_size = batch_size
@@ -190,9 +203,14 @@ class ExperienceStream(IterableDataset):
         return self.collector.replay.sample(self.batch_size, self.rng)
 
 
-def run_episodes(env: DMCEnv, act: ActFn, episodes: int, sample: bool = False,
-                 on_frame: Callable[[int, DMCEnv], None] | None = None,
-                 should_abandon: Callable[[], bool] | None = None) -> list[float] | None:
+def run_episodes(
+    env: DMCEnv,
+    act: ActFn,
+    episodes: int,
+    sample: bool = False,
+    on_frame: Callable[[int, DMCEnv], None] | None = None,
+    should_abandon: Callable[[], bool] | None = None,
+) -> list[float] | None:
     """Play ``episodes`` full episodes (deterministic mean action unless ``sample``); returns.
 
     ``on_frame(episode_index, env)`` is called after every reset and step (e.g. to record video).

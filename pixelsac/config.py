@@ -25,6 +25,16 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 PRECISION_MODES = ("fp32", "fp16", "bf16", "amp")
+#: The six modifications of Bjorck et al. (2021), by their ``lowp.*`` switch names.
+SIX = ("hadam", "loss_scaling", "kahan_gradients", "kahan_momentum", "softplus_fix", "normal_fix")
+
+# Seeds derived from ``seed``, so that no two streams of one run coincide: data-parallel rank r
+# collects with seed + RANK_SEED_STRIDE * r; the evaluation episodes that choose best.ckpt use
+# seed + EVAL_SEED_OFFSET; ``python -m pixelsac.evaluate`` reports on seed + REPORT_SEED_OFFSET,
+# episodes unseen in training and in choosing best.ckpt.
+RANK_SEED_STRIDE = 1000
+EVAL_SEED_OFFSET = 100_000
+REPORT_SEED_OFFSET = 200_000
 OBS_KINDS = ("pixels", "state")
 AUG_BACKENDS = ("kornia", "index")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -39,12 +49,7 @@ NULLABLE: dict[str, type] = {
     "resume": str,
     "stop.signals": str,
     "lowp.all": bool,
-    "lowp.hadam": bool,
-    "lowp.loss_scaling": bool,
-    "lowp.kahan_gradients": bool,
-    "lowp.kahan_momentum": bool,
-    "lowp.softplus_fix": bool,
-    "lowp.normal_fix": bool,
+    **{f"lowp.{name}": bool for name in SIX},
     "lowp.fp32_accumulate": bool,
     "lowp.unbiased_moments": bool,
     "lowp.stochastic_weights": bool,
@@ -61,18 +66,48 @@ NULLABLE: dict[str, type] = {
 
 # (key, smallest allowed value): sizes and counts that must be positive (or non-negative).
 _LOWER_BOUNDS: dict[str, float] = {
-    "env.image_size": 1, "env.frame_stack": 1, "env.episode_frames": 1, "env.action_repeat": 1,
-    "env.camera_id": 0, "env.num_envs": 1, "replay.capacity": 1, "agent.batch_size": 1, "agent.num_filters": 1,
-    "agent.num_conv_layers": 1, "agent.feature_dim": 1, "agent.hidden_dim": 1,
-    "agent.hidden_depth": 1, "agent.aug_pad": 0, "agent.aug_target_copies": 1,
-    "agent.aug_q_copies": 1, "agent.critic_target_update_every": 1, "agent.actor_update_every": 1,
-    "train.env_frames": 1, "train.seed_steps": 0, "train.updates_per_step": 0,
-    "train.eval_every_frames": 1, "train.eval_episodes": 0, "train.log_every_updates": 1,
-    "train.num_threads": 1, "train.video_every_evals": 0, "train.video_size": 16,
-    "perf.calibrate_updates": 0, "perf.warmup_updates": 0, "perf.graph_warmup_updates": 1, "lowp.init_scale": 1e-30, "lowp.growth_interval": 1,
-    "lowp.adam_eps_scaled": 1e-30, "safety.min_loss_scale": 0.0, "lowp.target_scale": 1e-30, "agent.lr": 1e-30,
-    "agent.adam_eps": 1e-30, "agent.init_temperature": 1e-30, "agent.critic_tau": 1e-30,
-    "stop.max_wait_steps": 0, "stop.max_wait_seconds": 0.0,
+    "env.image_size": 1,
+    "env.frame_stack": 1,
+    "env.episode_frames": 1,
+    "env.action_repeat": 1,
+    "env.camera_id": 0,
+    "env.num_envs": 1,
+    "replay.capacity": 1,
+    "agent.batch_size": 1,
+    "agent.num_filters": 1,
+    "agent.num_conv_layers": 1,
+    "agent.feature_dim": 1,
+    "agent.hidden_dim": 1,
+    "agent.hidden_depth": 1,
+    "agent.aug_pad": 0,
+    "agent.aug_target_copies": 1,
+    "agent.aug_q_copies": 1,
+    "agent.critic_target_update_every": 1,
+    "agent.actor_update_every": 1,
+    "train.env_frames": 1,
+    "train.seed_steps": 0,
+    "train.updates_per_step": 0,
+    "train.eval_every_frames": 1,
+    "train.eval_episodes": 0,
+    "train.log_every_updates": 1,
+    "train.num_threads": 1,
+    "train.video_every_evals": 0,
+    "train.video_size": 16,
+    "perf.calibrate_updates": 0,
+    "perf.warmup_updates": 0,
+    "perf.graph_warmup_updates": 1,
+    "lowp.init_scale": 1e-30,
+    "lowp.growth_interval": 1,
+    "lowp.adam_eps_scaled": 1e-30,
+    "safety.min_loss_scale": 0.0,
+    "lowp.target_scale": 1e-30,
+    "agent.lr": 1e-30,
+    "agent.adam_eps": 1e-30,
+    "agent.init_temperature": 1e-30,
+    "agent.critic_tau": 1e-30,
+    "stop.max_wait_steps": 0,
+    "stop.max_wait_seconds": 0.0,
+    "train.progress_every_seconds": 0.0,
 }
 _UNIT_INTERVAL = ("agent.discount", "agent.critic_tau", "agent.beta1", "agent.beta2")
 
@@ -132,9 +167,12 @@ def _check_type(key: str, value: Any, expected: type) -> Any:
             return None
         raise ConfigError(f"{key} cannot be null; it takes {_type_name(expected)}")
     ok = (
-        isinstance(value, bool) if expected is bool
-        else isinstance(value, (int, float)) and not isinstance(value, bool) if expected is float
-        else isinstance(value, int) and not isinstance(value, bool) if expected is int
+        isinstance(value, bool)
+        if expected is bool
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if expected is float
+        else isinstance(value, int) and not isinstance(value, bool)
+        if expected is int
         else isinstance(value, str)
     )
     if not ok:
@@ -158,8 +196,9 @@ def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
                 "trainer.* takes the arguments of lightning.Trainer (e.g. trainer.devices=2)"
             )
         if rest in ("logger", "callbacks", "enable_checkpointing", "default_root_dir", "precision", "max_epochs"):
-            raise ConfigError(f"trainer.{rest} is set by pixelsac itself (use run_dir=..., precision=..., "
-                              "train.env_frames=...)")
+            raise ConfigError(
+                f"trainer.{rest} is set by pixelsac itself (use run_dir=..., precision=..., train.env_frames=...)"
+            )
         OmegaConf.update(cfg, key, value, force_add=True)
         return
     default = OmegaConf.select(defaults, key, default="__missing__")
@@ -180,8 +219,19 @@ def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
 
 #: What may change when a run is resumed: budgets, logging, hardware, safety -- not the agent,
 #: its environment or its precision, which the checkpoint's weights and replay are tied to.
-RESUMABLE = ("train.", "trainer.", "perf.", "safety.", "checkpoint.", "stop.", "trust_checkpoint", "resume", "overwrite",
-             "replay.device", "replay.pin_memory")  # where the replay lives; its saved state is the same anywhere
+RESUMABLE = (
+    "train.",
+    "trainer.",
+    "perf.",
+    "safety.",
+    "checkpoint.",
+    "stop.",
+    "trust_checkpoint",
+    "resume",
+    "overwrite",
+    "replay.device",
+    "replay.pin_memory",
+)  # where the replay lives; its saved state is the same anywhere
 
 
 def load_config(
@@ -205,8 +255,10 @@ def load_config(
         cfg = OmegaConf.merge(defaults, OmegaConf.create(base))  # keys added since it was saved
         for key, value in given.items():
             if not key.startswith(RESUMABLE) and not _same_as_stored(cfg, key, value, defaults):
-                raise ConfigError(f"{key} cannot change when resuming (the checkpoint was trained with "
-                                  f"{key}={OmegaConf.select(cfg, key)!r}); start a new run instead")
+                raise ConfigError(
+                    f"{key} cannot change when resuming (the checkpoint was trained with "
+                    f"{key}={OmegaConf.select(cfg, key)!r}); start a new run instead"
+                )
             _apply(cfg, key, value, defaults)
         validate(cfg)
         OmegaConf.set_readonly(cfg, True)
@@ -217,10 +269,14 @@ def load_config(
     if preset is not None:
         if not isinstance(preset, str) or not (conf / "preset" / f"{preset}.yaml").is_file():
             presets = _names(conf / "preset")
-            raise ConfigError(f"unknown preset {preset!r}{_suggest(str(preset), presets)}; presets: {', '.join(presets)}")
+            raise ConfigError(
+                f"unknown preset {preset!r}{_suggest(str(preset), presets)}; presets: {', '.join(presets)}"
+            )
         preset_cfg = _load_yaml(conf / "preset" / f"{preset}.yaml")
 
-    task = given.get("task", preset_cfg.get("task") if preset_cfg is not None and "task" in preset_cfg else defaults.task)
+    task = given.get(
+        "task", preset_cfg.get("task") if preset_cfg is not None and "task" in preset_cfg else defaults.task
+    )
     if not isinstance(task, str):
         raise ConfigError(f"task={task!r} must be a task name such as cheetah_run")
     if valid_tasks is not None:
@@ -269,9 +325,15 @@ def stop_signal_names(value: str | None) -> list[str]:
             continue
         name = name if name.startswith("SIG") else f"SIG{name}"
         if name not in STOP_SIGNALS:
-            what = "cannot be caught" if name in ("SIGKILL", "SIGSTOP") else f"is not a stop signal{_suggest(name, STOP_SIGNALS)}"
-            raise ConfigError(f"stop.signals: {item.strip()!r} {what}; choose from {', '.join(STOP_SIGNALS)} "
-                              "(comma-separated), or null for the operating system's defaults")
+            what = (
+                "cannot be caught"
+                if name in ("SIGKILL", "SIGSTOP")
+                else f"is not a stop signal{_suggest(name, STOP_SIGNALS)}"
+            )
+            raise ConfigError(
+                f"stop.signals: {item.strip()!r} {what}; choose from {', '.join(STOP_SIGNALS)} "
+                "(comma-separated), or null for the operating system's defaults"
+            )
         if name not in names:
             names.append(name)
     return names
@@ -294,23 +356,31 @@ def _is_replay_device(value: str) -> bool:
 def validate(cfg: DictConfig) -> None:
     """Check values that have the right type but make no sense (negative sizes, unknown modes)."""
     if cfg.precision not in PRECISION_MODES:
-        raise ConfigError(f"unknown precision {cfg.precision!r}{_suggest(cfg.precision, PRECISION_MODES)}; "
-                          f"choose one of {', '.join(PRECISION_MODES)}")
+        raise ConfigError(
+            f"unknown precision {cfg.precision!r}{_suggest(cfg.precision, PRECISION_MODES)}; "
+            f"choose one of {', '.join(PRECISION_MODES)}"
+        )
     if cfg.env.obs not in OBS_KINDS:
         raise ConfigError(f"env.obs={cfg.env.obs!r}; choose one of {', '.join(OBS_KINDS)}")
     replay_device = OmegaConf.select(cfg, "replay.device")
     if replay_device is not None and not _is_replay_device(replay_device):
-        raise ConfigError(f"replay.device={replay_device!r}; choose null (host memory), auto (the training device), "
-                          "cpu, cuda or cuda:N")
+        raise ConfigError(
+            f"replay.device={replay_device!r}; choose null (host memory), auto (the training device), "
+            "cpu, cuda or cuda:N"
+        )
     if cfg.perf.aug_backend is not None and cfg.perf.aug_backend not in AUG_BACKENDS:
-        raise ConfigError(f"perf.aug_backend={cfg.perf.aug_backend!r}; choose one of {', '.join(AUG_BACKENDS)} "
-                          "(or null: index on CUDA, kornia elsewhere)")
+        raise ConfigError(
+            f"perf.aug_backend={cfg.perf.aug_backend!r}; choose one of {', '.join(AUG_BACKENDS)} "
+            "(or null: index on CUDA, kornia elsewhere)"
+        )
     if cfg.perf.compile_mode not in COMPILE_MODES:
         raise ConfigError(f"perf.compile_mode={cfg.perf.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
     stop_signal_names(cfg.stop.signals)
     if cfg.resume == "auto" and not cfg.run_dir:
-        raise ConfigError("resume=auto needs run_dir=DIR: the directory the job writes to and, when it already "
-                          "holds a checkpoint, resumes from")
+        raise ConfigError(
+            "resume=auto needs run_dir=DIR: the directory the job writes to and, when it already "
+            "holds a checkpoint, resumes from"
+        )
     for key, low in _LOWER_BOUNDS.items():
         value = OmegaConf.select(cfg, key)
         if value is not None and value < low:
@@ -321,7 +391,9 @@ def validate(cfg: DictConfig) -> None:
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key}={value} must lie in [0, 1]")
     if cfg.env.obs == "pixels" and cfg.env.image_size < 2 * cfg.agent.num_conv_layers + 3:
-        raise ConfigError(f"env.image_size={cfg.env.image_size} is too small for {cfg.agent.num_conv_layers} conv layers")
+        raise ConfigError(
+            f"env.image_size={cfg.env.image_size} is too small for {cfg.agent.num_conv_layers} conv layers"
+        )
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

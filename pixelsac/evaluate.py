@@ -1,7 +1,7 @@
 """Evaluate a trained agent from a checkpoint: returns, a results file and videos::
 
     python -m pixelsac.evaluate checkpoint=runs/cheetah_run/20260101-120000_fp16_s1
-    python -m pixelsac.evaluate checkpoint=run/checkpoints/last.ckpt episodes=20 video=true
+    python -m pixelsac.evaluate checkpoint=run/checkpoints/last.ckpt episodes=20 video=false
     python -m pixelsac.evaluate checkpoint=RUN video_episodes=all agent_view=true out_dir=eval/
 
 Options (``key=value``):
@@ -11,8 +11,8 @@ Options (``key=value``):
   seed=S                evaluation seed          [training seed + 200000: episodes unseen in
                                                   training and in choosing best.ckpt]
   sample=true|false     sample actions instead of the deterministic mean      [false]
-  video=true|false      write mp4 videos of some episodes                     [false]
-  video_episodes=0,1|all  which episodes to film (implies video=true)         [0]
+  video=true|false      write mp4 videos of some episodes (video=false: none) [true]
+  video_episodes=0,1|all  which episodes to film                              [0]
   video_size=N          rendered side of the video, pixels                    [256]
   video_camera=N        camera to film from                      [the observation camera]
   agent_view=true       add what the policy saw, enlarged, to the right       [false]
@@ -42,21 +42,30 @@ from typing import Any
 
 import numpy as np
 
+from pixelsac import cli
 from pixelsac.checkpoint import CheckpointError
-from pixelsac.config import ConfigError, parse_overrides
+from pixelsac.config import REPORT_SEED_OFFSET, ConfigError, parse_overrides
 
 USAGE = __doc__
 
-#: Offset of the default evaluation seed from the training seed. Training collects with ``seed``
-#: and evaluates (choosing best.ckpt) with ``seed + 100000``; reporting returns on a third seed
-#: keeps the numbers free of the selection that picked best.ckpt.
-EVAL_SEED_OFFSET = 200_000
+#: the default seed is the training seed + this: episodes unseen in training and in choosing best.ckpt
+EVAL_SEED_OFFSET = REPORT_SEED_OFFSET
 
 #: option name -> the kind of value it takes (the defaults live in EvalOptions)
 _OPTION_KINDS: dict[str, str] = {
-    "checkpoint": "path", "prefer": "choice", "episodes": "int", "seed": "int", "sample": "bool",
-    "video": "bool", "video_episodes": "episodes", "video_size": "int", "video_camera": "int",
-    "agent_view": "bool", "out_dir": "path", "overwrite": "bool", "device": "device",
+    "checkpoint": "path",
+    "prefer": "choice",
+    "episodes": "int",
+    "seed": "int",
+    "sample": "bool",
+    "video": "bool",
+    "video_episodes": "episodes",
+    "video_size": "int",
+    "video_camera": "int",
+    "agent_view": "bool",
+    "out_dir": "path",
+    "overwrite": "bool",
+    "device": "device",
     "trust_checkpoint": "bool",
 }
 _CHOICES = {"prefer": ("best", "last")}
@@ -72,7 +81,7 @@ class EvalOptions:
     episodes: int = 10
     seed: int | None = None
     sample: bool = False
-    video: bool = False
+    video: bool = True  # the point of evaluating a checkpoint is usually to watch it
     video_episodes: tuple[int, ...] | None = (0,)  # None: every episode
     video_size: int = 256
     video_camera: int | None = None
@@ -101,14 +110,14 @@ def parse_options(argv: Sequence[str]) -> EvalOptions:
     video_options = [key for key in _VIDEO_OPTIONS if key in values]
     if video_options and values.get("video") is False:
         raise ConfigError(f"video=false contradicts {', '.join(video_options)}; drop one of them")
-    if video_options:
-        values["video"] = True  # asking for video episodes, size or view means asking for video
     options = EvalOptions(**values)
     if options.video_episodes is not None:
         beyond = [e for e in options.video_episodes if e >= options.episodes]
         if beyond:
-            raise ConfigError(f"video_episodes {beyond} do not exist: episodes=... plays "
-                              f"{options.episodes} episode(s), numbered 0..{options.episodes - 1}")
+            raise ConfigError(
+                f"video_episodes {beyond} do not exist: episodes=... plays "
+                f"{options.episodes} episode(s), numbered 0..{options.episodes - 1}"
+            )
     return options
 
 
@@ -159,40 +168,28 @@ def _episode_list(value: Any, raw: str) -> tuple[int, ...] | None:
 
 
 # --- loading --------------------------------------------------------------------------------------
-def resolve_device(name: str) -> Any:
-    """``auto`` -> cuda when available, else cpu; a cuda device that is missing is an error."""
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={name} but torch sees no CUDA device; use device=cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as exc:
-        raise ConfigError(f"device={name!r} is not a torch device ({exc})") from None
-
-
 def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -> Any:
     """The checkpoint's SACModule, in eval mode on ``device``, with its precision policy resolved
     for that device (a run trained on a GPU evaluated on a CPU gets the CPU's compute path)."""
-    import torch
 
-    from pixelsac.checkpoint import module_from_checkpoint
-    from pixelsac.precision import PrecisionPolicy
+    from pixelsac.module import SACModule
+    from pixelsac.precision import PrecisionPolicy, nonfinite_names
 
-    non_finite = [name for name, tensor in checkpoint["state_dict"].items()
-                  if torch.is_tensor(tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    non_finite = nonfinite_names(checkpoint["state_dict"])
     if non_finite:
-        raise CheckpointError(f"{checkpoint_file} holds non-finite weights ({len(non_finite)} tensors, "
-                              f"e.g. {non_finite[0]}): the run diverged before it was saved")
+        raise CheckpointError(
+            f"{checkpoint_file} holds non-finite weights ({len(non_finite)} tensors, "
+            f"e.g. {non_finite[0]}): the run diverged before it was saved"
+        )
     try:
-        module = module_from_checkpoint(checkpoint)
+        module = SACModule.from_checkpoint(checkpoint)
     except CheckpointError:
         raise
     except (KeyError, AttributeError, TypeError, ValueError) as exc:  # a config this version cannot read
-        raise CheckpointError(f"{checkpoint_file} describes an agent this pixelsac cannot build "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+        raise CheckpointError(
+            f"{checkpoint_file} describes an agent this pixelsac cannot build "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
     module = module.to(device)
     module.precision_policy = PrecisionPolicy.from_config(module.cfg, device.type)
     return module.eval()
@@ -200,28 +197,10 @@ def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -
 
 def make_env(config: dict[str, Any], seed: int) -> Any:
     """The environment a checkpoint was trained on, built from the config it stores."""
-    from pixelsac.envs import DMCEnv
-
     try:
-        env_cfg = config["env"]
-        return DMCEnv(config["task"], obs=env_cfg["obs"], image_size=env_cfg["image_size"],
-                      frame_stack=env_cfg["frame_stack"], action_repeat=env_cfg["action_repeat"],
-                      camera_id=env_cfg["camera_id"], episode_frames=env_cfg["episode_frames"], seed=seed)
-    except (KeyError, TypeError) as exc:
-        raise CheckpointError(f"the checkpoint's config has no usable env settings (missing {exc})") from exc
-
-
-def checkpoint_counters(checkpoint: dict[str, Any]) -> dict[str, int | None]:
-    """env_frames and updates at which the checkpoint was written, where it records them."""
-    ours = checkpoint.get("pixelsac", {})
-    env_frames = None
-    # the Checkpointer callback stores the collector's counters with every checkpoint
-    for key, state in (checkpoint.get("callbacks") or {}).items():
-        if str(key).startswith("Checkpointer") and isinstance(state, dict):
-            env_frames = state.get("collector", {}).get("env_frames")
-    updates = ours.get("updates")
-    return {"env_frames": None if env_frames is None else int(env_frames),
-            "updates": None if updates is None else int(updates)}
+        return cli.env_from_config(config, seed)
+    except (ConfigError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"the checkpoint's config has no usable env settings ({exc})") from exc
 
 
 def default_out_dir(checkpoint_file: Path, now: datetime.datetime | None = None) -> Path:
@@ -269,11 +248,11 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
     """
     import torch
 
-    from pixelsac.checkpoint import load, resolve
+    from pixelsac.checkpoint import load, resolve, saved_counters
     from pixelsac.collect import run_episodes
     from pixelsac.video import EpisodeRecorder
 
-    device = resolve_device(options.device)
+    device = cli.resolve_device(options.device)
     checkpoint_file = resolve(options.checkpoint, options.prefer).resolve()
     checkpoint = load(checkpoint_file, map_location="cpu", trust=options.trust_checkpoint)
     config = checkpoint["hyper_parameters"]["config"]
@@ -282,21 +261,27 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
     env = make_env(config, seed)
     try:
         if tuple(env.obs_shape) != tuple(module.obs_shape) or env.action_dim != module.action_dim:
-            raise CheckpointError(f"the checkpoint's networks take observations {tuple(module.obs_shape)} and "
-                                  f"{module.action_dim} actions, but its config builds {tuple(env.obs_shape)} "
-                                  f"and {env.action_dim}")
+            raise CheckpointError(
+                f"the checkpoint's networks take observations {tuple(module.obs_shape)} and "
+                f"{module.action_dim} actions, but its config builds {tuple(env.obs_shape)} "
+                f"and {env.action_dim}"
+            )
         env.reset()  # renders: a missing OpenGL library is reported now, before anything is written
         if options.video:
             if options.agent_view and env.obs_kind != "pixels":
                 raise ConfigError("agent_view=true needs a policy trained from pixels; this one sees states")
             env.render(options.video_size, options.video_camera)  # checks size and camera
         out_dir = _prepare_out_dir(options, checkpoint_file)
-        counters = checkpoint_counters(checkpoint)
+        counters = saved_counters(checkpoint)
         out(f"checkpoint {checkpoint_file}")
-        out(f"  {config['task']}, {module.precision_policy.describe()}; "
-            f"{_count(counters['env_frames'])} env frames, {_count(counters['updates'])} updates; on {device}")
-        out(f"  {options.episodes} episode(s), seed {seed}, "
-            f"{'sampled' if options.sample else 'deterministic (mean)'} actions")
+        out(
+            f"  {config['task']}, {module.precision_policy.describe()}; "
+            f"{_count(counters['env_frames'])} env frames, {_count(counters['updates'])} updates; on {device}"
+        )
+        out(
+            f"  {options.episodes} episode(s), seed {seed}, "
+            f"{'sampled' if options.sample else 'deterministic (mean)'} actions"
+        )
 
         torch.manual_seed(seed)  # only sample=true draws random numbers
         start = time.perf_counter()
@@ -305,8 +290,11 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
         for index in range(options.episodes):
             counter = _LengthCounter()
             filming = options.video and (options.video_episodes is None or index in options.video_episodes)
-            recorder = (EpisodeRecorder(options.video_size, options.video_camera, options.agent_view, episodes={0})
-                        if filming else None)
+            recorder = (
+                EpisodeRecorder(options.video_size, options.video_camera, options.agent_view, episodes={0})
+                if filming
+                else None
+            )
             # One run_episodes call per episode: episodes follow each other on the same env exactly
             # as in one call, but each video is written (and its frames freed) as soon as it ends.
             hook = counter if recorder is None else _both(counter, recorder)
@@ -320,12 +308,28 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
     finally:
         env.close()
 
-    results = _results(options, checkpoint_file, config, module, counters, seed, returns, lengths, videos,
-                       out_dir, wall_seconds, env.action_repeat, device)
+    results = _results(
+        options,
+        checkpoint_file,
+        config,
+        module,
+        counters,
+        seed,
+        returns,
+        lengths,
+        videos,
+        out_dir,
+        wall_seconds,
+        env.action_repeat,
+        device,
+    )
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     out(_table_footer(returns))
-    out(f"wrote {out_dir / 'results.json'}" + (f" and {len(videos)} video(s)" if videos else "")
-        + f" in {wall_seconds:.1f} s")
+    out(
+        f"wrote {out_dir / 'results.json'}"
+        + (f" and {len(videos)} video(s)" if videos else "")
+        + f" in {wall_seconds:.1f} s"
+    )
     return Evaluation(out_dir, results, videos)
 
 
@@ -333,6 +337,7 @@ def _both(*hooks: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
     def call(episode: int, env: Any) -> None:
         for hook in hooks:
             hook(episode, env)
+
     return call
 
 
@@ -340,10 +345,7 @@ def _prepare_out_dir(options: EvalOptions, checkpoint_file: Path) -> Path:
     if options.out_dir is None:
         out_dir = default_out_dir(checkpoint_file)
     else:
-        out_dir = Path(options.out_dir)
-        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not options.overwrite:
-            raise ConfigError(f"out_dir {out_dir} already exists and is not empty; "
-                              "choose another out_dir=... or pass overwrite=true")
+        out_dir = cli.check_out_dir(options.out_dir, options.overwrite)
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir
 
@@ -362,13 +364,27 @@ def _table_row(index: int, episode_return: float, length: int) -> str:
 
 def _table_footer(returns: list[float]) -> str:
     mean, std = float(np.mean(returns)), float(np.std(returns))
-    return (f"{'mean':>8}  {mean:>9.2f}  ± {std:.2f} (std over {len(returns)} episodes; "
-            f"min {min(returns):.2f}, max {max(returns):.2f})")
+    return (
+        f"{'mean':>8}  {mean:>9.2f}  ± {std:.2f} (std over {len(returns)} episodes; "
+        f"min {min(returns):.2f}, max {max(returns):.2f})"
+    )
 
 
-def _results(options: EvalOptions, checkpoint_file: Path, config: dict[str, Any], module: Any,
-             counters: dict[str, int | None], seed: int, returns: list[float], lengths: list[int],
-             videos: list[Path], out_dir: Path, wall_seconds: float, action_repeat: int, device: Any) -> dict[str, Any]:
+def _results(
+    options: EvalOptions,
+    checkpoint_file: Path,
+    config: dict[str, Any],
+    module: Any,
+    counters: dict[str, int | None],
+    seed: int,
+    returns: list[float],
+    lengths: list[int],
+    videos: list[Path],
+    out_dir: Path,
+    wall_seconds: float,
+    action_repeat: int,
+    device: Any,
+) -> dict[str, Any]:
     from pixelsac.checkpoint import FORMAT_VERSION
     from pixelsac.precision import SIX
 
@@ -402,18 +418,12 @@ def _results(options: EvalOptions, checkpoint_file: Path, config: dict[str, Any]
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: 0 on success, 2 with one ``error: ...`` line on bad input."""
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help", "help") for a in argv):
-        print(USAGE)
-        return 0
-    from pixelsac.envs import EnvError
 
-    try:
-        evaluate(parse_options(argv))
-    except (ConfigError, CheckpointError, EnvError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    def body(args: list[str]) -> int:
+        evaluate(parse_options(args))
+        return 0
+
+    return cli.run_command(body, argv, USAGE)
 
 
 if __name__ == "__main__":

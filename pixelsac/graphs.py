@@ -36,23 +36,28 @@ def graph_conflicts(cfg: Any, device_type: str, world_size: int) -> str | None:
     if device_type != "cuda":
         return f"{_NEEDS} a CUDA device (training runs on {device_type}); set perf.cuda_graphs=false"
     if world_size > 1:
-        return (f"{_NEEDS} one device: DDP's gradient all-reduce runs from autograd hooks outside a "
-                "capturable step; set perf.cuda_graphs=false or trainer.devices=1")
+        return (
+            f"{_NEEDS} one device: DDP's gradient all-reduce runs from autograd hooks outside a "
+            "capturable step; set perf.cuda_graphs=false or trainer.devices=1"
+        )
     policy = PrecisionPolicy.from_config(cfg, device_type)
     if not policy.sync_free:
         return f"{_NEEDS} perf.sync_free (a captured step cannot read the device from the host)"
     if policy.mode == "amp":
-        return (f"{_NEEDS} pure fp16, bf16 or fp32: AMP's GradScaler keeps Python-side state per step; "
-                "use precision=fp16 (pure fp16 with the six modifications)")
+        return (
+            f"{_NEEDS} pure fp16, bf16 or fp32: AMP's GradScaler keeps Python-side state per step; "
+            "use precision=fp16 (pure fp16 with the six modifications)"
+        )
     if policy.loss_scaling and not policy.hadam:
-        return (f"{_NEEDS} hAdam when loss scaling is on: only its step skips on the device "
-                "(lowp.hadam=true or lowp.loss_scaling=false)")
+        return (
+            f"{_NEEDS} hAdam when loss scaling is on: only its step skips on the device "
+            "(lowp.hadam=true or lowp.loss_scaling=false)"
+        )
     aug = cfg.perf.get("aug_backend")
     if aug == "kornia" and cfg.env.obs == "pixels" and cfg.agent.aug_pad > 0:
         return f"{_NEEDS} perf.aug_backend=index (kornia's crop reads its offsets on the host)"
     if cfg.perf.get("compile") and cfg.perf.get("compile_mode") in ("reduce-overhead", "max-autotune"):
-        return (f"{_NEEDS} perf.compile_mode without CUDA graphs of its own "
-                "(default or max-autotune-no-cudagraphs)")
+        return f"{_NEEDS} perf.compile_mode without CUDA graphs of its own (default or max-autotune-no-cudagraphs)"
     return None
 
 

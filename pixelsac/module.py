@@ -36,19 +36,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from pixelsac.augment import RandomShift
-from pixelsac.checkpoint import FORMAT_VERSION
+from pixelsac.checkpoint import FORMAT_VERSION, CheckpointError, first_line
 from pixelsac.config import from_plain
-from pixelsac.nets import build_networks
 from pixelsac.graphs import UpdateGraphs
-from pixelsac.perf import apply_speed_options
-from pixelsac.precision import NumericalFailure, PrecisionPolicy
+from pixelsac.nets import apply_speed_options, build_networks
+from pixelsac.precision import NumericalFailure, PrecisionPolicy, nonfinite_names
 
 LOSSES = ("critic", "actor", "alpha")
 ACTOR_METRICS = ("actor_loss", "alpha_loss", "entropy")
 
 
-def td_target(reward: torch.Tensor, not_terminal: torch.Tensor, target_v: torch.Tensor,
-              discount: float) -> torch.Tensor:
+def td_target(
+    reward: torch.Tensor, not_terminal: torch.Tensor, target_v: torch.Tensor, discount: float
+) -> torch.Tensor:
     """``r + γ·(1 - terminal)·V̄``, with γ kept a Python float in every dtype.
 
     Written as ``not_terminal * γ`` first, an fp16 run multiplies by γ rounded to fp16
@@ -61,7 +61,7 @@ def td_target(reward: torch.Tensor, not_terminal: torch.Tensor, target_v: torch.
     return torch.addcmul(reward, not_terminal, target_v, value=discount)
 
 
-def _convert_target_keys(module: "SACModule", state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _convert_target_keys(module: SACModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Let a checkpoint with a stored target critic (``critic_target.*``, every checkpoint before
     ``lowp.derived_target``) load into a module that derives it, and the other way round.
 
@@ -69,7 +69,7 @@ def _convert_target_keys(module: "SACModule", state_dict: dict[str, Any], prefix
     itself before the first one, which is how both directions tell the two apart."""
     stored_prefix, critic_prefix = prefix + "critic_target.", prefix + "critic."
     applied_key = prefix + "target_updater.updates_applied"
-    stored = {k[len(stored_prefix):]: k for k in state_dict if k.startswith(stored_prefix)}
+    stored = {k[len(stored_prefix) :]: k for k in state_dict if k.startswith(stored_prefix)}
     updater = module.target_updater
     if updater.derived_target and stored:
         fresh = all(torch.equal(state_dict[key], state_dict[critic_prefix + name]) for name, key in stored.items())
@@ -119,18 +119,39 @@ class SACModule(L.LightningModule):
         self._actor_metrics: dict[str, torch.Tensor] = {}
         self.update_graphs: UpdateGraphs | None = None  # perf.cuda_graphs, built in setup()
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint: dict[str, Any]) -> SACModule:
+        """The module a loaded checkpoint (:func:`pixelsac.checkpoint.load`) was written from, in
+        eval mode on the CPU, with its weights, Kahan target copies and counters: any precision,
+        trained on any device. Weights that do not fit the stored config are a CheckpointError."""
+        hparams = checkpoint["hyper_parameters"]
+        module = cls(hparams["config"], tuple(hparams["obs_shape"]), int(hparams["action_dim"]))
+        try:
+            module.load_state_dict(checkpoint["state_dict"])
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"checkpoint weights do not fit the network its config describes ({first_line(exc)})"
+            ) from exc
+        module.on_load_checkpoint(checkpoint)
+        return module.eval()
+
     # --- Lightning plumbing ---------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         device_type = self.trainer.strategy.root_device.type
         self.precision_policy = PrecisionPolicy.from_config(self.cfg, device_type)
+        self.precision_policy.apply_global_numerics()  # TF32 only when asked for (perf.tf32)
         for name in LOSSES:
             self.scalers[name] = self.precision_policy.make_scaler()
         self.target_updater.check_every_update = not self.precision_policy.sync_free
         perf = self.cfg.perf
         self.augment.backend = perf.get("aug_backend") or "index"
         if self.precision_policy.channels_last or perf.get("compile"):
-            apply_speed_options(self, self.precision_policy.channels_last, bool(perf.get("compile")),
-                                perf.get("compile_mode") or "default")
+            apply_speed_options(
+                self,
+                self.precision_policy.channels_last,
+                bool(perf.get("compile")),
+                perf.get("compile_mode") or "default",
+            )
         if perf.get("cuda_graphs"):
             self.update_graphs = UpdateGraphs(self, warmup_updates=int(perf.get("graph_warmup_updates", 3)))
 
@@ -184,13 +205,20 @@ class SACModule(L.LightningModule):
             action = dist.sample() if sample else dist.mean
         actions = action.clamp(-1.0, 1.0).float().cpu().numpy()
         if not np.isfinite(actions).all():  # weights went non-finite since the last health check
-            raise NumericalFailure("the policy produced non-finite actions; its weights are no longer finite",
-                                   weights_finite=False)
+            raise NumericalFailure(
+                "the policy produced non-finite actions; its weights are no longer finite", weights_finite=False
+            )
         return actions
 
     # --- losses ---------------------------------------------------------------------------------
-    def critic_loss(self, obs_aug: torch.Tensor, action: torch.Tensor, reward: torch.Tensor,
-                    not_terminal: torch.Tensor, next_aug: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def critic_loss(
+        self,
+        obs_aug: torch.Tensor,
+        action: torch.Tensor,
+        reward: torch.Tensor,
+        not_terminal: torch.Tensor,
+        next_aug: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict]:
         """``obs_aug``: the M augmented copies of the batch's observations stacked on the batch
         axis; ``next_aug``: the K copies of the next observations."""
         agent = self.cfg.agent
@@ -219,10 +247,15 @@ class SACModule(L.LightningModule):
         q1, q2 = self.critic.heads(trunk_features, action)
         actor_loss = (self.alpha.detach() * log_prob - torch.min(q1, q2)).mean()
         alpha_loss = (self.alpha * (-log_prob - self.target_entropy).detach()).mean()
-        return actor_loss, alpha_loss, {
-            "actor_loss": actor_loss.detach(), "alpha_loss": alpha_loss.detach(),
-            "entropy": -log_prob.detach().mean(),
-        }
+        return (
+            actor_loss,
+            alpha_loss,
+            {
+                "actor_loss": actor_loss.detach(),
+                "alpha_loss": alpha_loss.detach(),
+                "entropy": -log_prob.detach().mean(),
+            },
+        )
 
     # --- one update -----------------------------------------------------------------------------
     def _reduce_found_inf(self) -> Any:
@@ -235,8 +268,9 @@ class SACModule(L.LightningModule):
         if graph_safe:  # no Lightning hooks or wrappers: their Python would run at capture only
             optimizer = getattr(optimizer, "optimizer", optimizer)
         backward = (lambda tensor: tensor.backward()) if graph_safe else self.manual_backward
-        taken = self.precision_policy.backward_and_step(loss, optimizer, self.scalers.get(name), backward,
-                                                        self._reduce_found_inf(), graph_safe=graph_safe)
+        taken = self.precision_policy.backward_and_step(
+            loss, optimizer, self.scalers.get(name), backward, self._reduce_found_inf(), graph_safe=graph_safe
+        )
         if isinstance(taken, torch.Tensor):
             skipped = (~taken).to(torch.int64)
             if name in self._skipped_device:
@@ -277,8 +311,9 @@ class SACModule(L.LightningModule):
             self.metrics = metrics  # read (and synchronised) by the logging callback
             self.check_health(metrics)
 
-    def update(self, batch: dict[str, torch.Tensor], with_actor: bool, with_target: bool,
-               graph_safe: bool = False) -> dict[str, torch.Tensor]:
+    def update(
+        self, batch: dict[str, torch.Tensor], with_actor: bool, with_target: bool, graph_safe: bool = False
+    ) -> dict[str, torch.Tensor]:
         """The critic step, then the actor and temperature steps and the target update when due;
         returns the losses as tensors. ``graph_safe``: raw torch optimizers and backward, no host
         bookkeeping (see :mod:`pixelsac.graphs`)."""
@@ -296,7 +331,7 @@ class SACModule(L.LightningModule):
 
         if with_actor:
             with self.precision_policy.compute_context():
-                actor_loss, alpha_loss, actor_metrics = self.actor_and_alpha_loss(obs_aug[:action.shape[0]])
+                actor_loss, alpha_loss, actor_metrics = self.actor_and_alpha_loss(obs_aug[: action.shape[0]])
             self._step("actor", actor_loss, actor_opt, graph_safe)
             self._step("alpha", alpha_loss, alpha_opt, graph_safe)
             metrics.update(actor_metrics)
@@ -305,14 +340,19 @@ class SACModule(L.LightningModule):
             try:
                 self.target_updater.update_(agent.critic_tau)
             except FloatingPointError as exc:  # K·θ overflowed: the critic has grown out of range
-                raise NumericalFailure(f"target update after update {self.updates}: {exc}",
-                                       weights_finite=self.weights_are_finite()) from exc
+                raise NumericalFailure(
+                    f"target update after update {self.updates}: {exc}", weights_finite=self.weights_are_finite()
+                ) from exc
         return metrics
 
     # --- numerical health ---------------------------------------------------------------------
     def _groups(self) -> dict[str, list[torch.Tensor]]:
-        groups = {"critic": list(self.critic.parameters()), "actor": list(self.actor.parameters()),
-                  "temperature": [self.log_alpha], "target critic": self.target_updater.target_parameters()}
+        groups = {
+            "critic": list(self.critic.parameters()),
+            "actor": list(self.actor.parameters()),
+            "temperature": [self.log_alpha],
+            "target critic": self.target_updater.target_parameters(),
+        }
         # Optimizer state by loss and kind (exp_avg, exp_avg_root, kahan_comp, ...): an inf root
         # moment leaves the weights finite while no step can move them again, so it must stop
         # the run as loudly as a NaN weight (and keep it out of any checkpoint).
@@ -328,9 +368,7 @@ class SACModule(L.LightningModule):
     def nonfinite_weight_groups(self) -> list[str]:
         """Names of the weight and optimizer-state groups holding a NaN or inf (one host
         synchronisation for all), e.g. ``critic`` or ``critic optimizer exp_avg_root``."""
-        groups = self._groups()
-        finite = torch.stack([torch.stack([p.isfinite().all() for p in ps]).all() for ps in groups.values()])
-        return [name for name, ok in zip(groups, finite.tolist()) if not ok]
+        return nonfinite_names(self._groups())
 
     def weights_are_finite(self) -> bool:
         return not self.nonfinite_weight_groups()
@@ -346,23 +384,27 @@ class SACModule(L.LightningModule):
         try:
             self.target_updater.check_finite()  # deferred to here when the update is sync-free
         except FloatingPointError as exc:
-            raise NumericalFailure(f"target update before update {self.updates}: {exc}",
-                                   weights_finite=self.weights_are_finite()) from exc
+            raise NumericalFailure(
+                f"target update before update {self.updates}: {exc}", weights_finite=self.weights_are_finite()
+            ) from exc
         bad = self.nonfinite_weight_groups()
         if bad:
             losses = ", ".join(f"{k}={float(v):.4g}" for k, v in metrics.items() if k.endswith("loss"))
             weights = [name for name in bad if " optimizer " not in name]
             states = [name for name in bad if " optimizer " in name]
             what = " and ".join([f"{' and '.join(weights)} weights"] * bool(weights) + states)
-            raise NumericalFailure(f"non-finite {what} after update {self.updates} "
-                                   f"(losses {losses}; loss scales {scales_text})", weights_finite=False)
+            raise NumericalFailure(
+                f"non-finite {what} after update {self.updates} (losses {losses}; loss scales {scales_text})",
+                weights_finite=False,
+            )
         floor = self.cfg.safety.min_loss_scale
         for name, scaler in self.scalers.items():
             if scaler is not None and scales[name] < floor:
                 raise NumericalFailure(
                     f"the {name} loss scale collapsed below safety.min_loss_scale={floor:g} after update "
                     f"{self.updates} ({self.skipped[name]} skipped {name} steps; loss scales {scales_text})",
-                    weights_finite=True)
+                    weights_finite=True,
+                )
 
     def loss_scales(self) -> dict[str, float]:
         """Current loss scale per loss (1.0 where no scaler runs)."""

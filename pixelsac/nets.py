@@ -13,6 +13,8 @@ The actor reads the trunk's features detached: only the critic loss trains the c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -88,8 +90,16 @@ class Actor(nn.Module):
 
     It hands over log σ rather than σ so the low-precision log-density can use it directly."""
 
-    def __init__(self, in_dim: int, action_dim: int, feature_dim: int | None, hidden_dim: int,
-                 hidden_depth: int, log_std_min: float, log_std_max: float) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        action_dim: int,
+        feature_dim: int | None,
+        hidden_dim: int,
+        hidden_depth: int,
+        log_std_min: float,
+        log_std_max: float,
+    ) -> None:
         super().__init__()
         self.proj = Projection(in_dim, feature_dim) if feature_dim else nn.Identity()
         self.policy = mlp(feature_dim or in_dim, hidden_dim, 2 * action_dim, hidden_depth)
@@ -105,8 +115,9 @@ class Actor(nn.Module):
 class Critic(nn.Module):
     """Double-Q critic that owns the trunk (the critic loss is what trains the convolutions)."""
 
-    def __init__(self, trunk: nn.Module, action_dim: int, feature_dim: int | None,
-                 hidden_dim: int, hidden_depth: int) -> None:
+    def __init__(
+        self, trunk: nn.Module, action_dim: int, feature_dim: int | None, hidden_dim: int, hidden_depth: int
+    ) -> None:
         super().__init__()
         self.trunk = trunk
         self.proj = Projection(trunk.out_dim, feature_dim) if feature_dim else nn.Identity()
@@ -131,8 +142,41 @@ def build_networks(obs_shape: tuple[int, ...], action_dim: int, agent_cfg) -> tu
     else:
         trunk, feature_dim = IdentityTrunk(obs_shape), None
     critic = Critic(trunk, action_dim, feature_dim, agent_cfg.hidden_dim, agent_cfg.hidden_depth)
-    actor = Actor(trunk.out_dim, action_dim, feature_dim, agent_cfg.hidden_dim, agent_cfg.hidden_depth,
-                  agent_cfg.log_std_min, agent_cfg.log_std_max)
+    actor = Actor(
+        trunk.out_dim,
+        action_dim,
+        feature_dim,
+        agent_cfg.hidden_dim,
+        agent_cfg.hidden_depth,
+        agent_cfg.log_std_min,
+        agent_cfg.log_std_max,
+    )
     critic.apply(orthogonal_init_)
     actor.apply(orthogonal_init_)
     return actor, critic
+
+
+def apply_speed_options(
+    module: Any, channels_last: bool, compile: bool, compile_mode: str = "default", compile_backend: str = "inductor"
+) -> None:
+    """GPU-speed switches that need no change to the module's code (``perf.channels_last``,
+    ``perf.compile``; the benchmark measures each on and off).
+
+    ``channels_last``: every 4-D tensor of the module (conv weights of the critic, its target
+    and the Kahan-momentum copies) in NHWC, so cuDNN runs the trunk's convolutions channels-last
+    (a convolution follows its weight's memory format). ``compile``: ``nn.Module.compile`` on the
+    trunk, projection and Q heads of the critic and its target, and on the actor -- in place, so
+    parameter names, optimizers and checkpoints are unchanged. The augmentation, the losses'
+    elementwise math and the optimizers stay eager.
+    """
+    if channels_last:
+        module.to(memory_format=torch.channels_last)
+    if compile:
+        kwargs: dict[str, Any] = {"backend": compile_backend}
+        if compile_backend == "inductor" and compile_mode != "default":
+            kwargs["mode"] = compile_mode
+        # a derived target (lowp.derived_target) runs the critic itself with other parameters
+        for critic in filter(None, (module.critic, module.critic_target)):
+            for part in (critic.trunk, critic.proj, critic.q1, critic.q2):
+                part.compile(**kwargs)
+        module.actor.compile(**kwargs)

@@ -44,15 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from pixelsac import lowp
-
-SIX = ("hadam", "loss_scaling", "kahan_gradients", "kahan_momentum", "softplus_fix", "normal_fix")
+from pixelsac.config import SIX  # the six switch names: one list, the config's
 
 _PARAM_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "amp": torch.float32}
 _MODE_DEFAULTS = {
@@ -106,6 +105,7 @@ class PrecisionPolicy:
     stochastic_weights: bool = False
     derived_target: bool = False
     channels_last: bool = False
+    tf32: bool = False  # fp32 matmuls and convolutions on TF32 tensor cores (CUDA; perf.tf32)
 
     @classmethod
     def from_config(cls, cfg: Any, device_type: str) -> PrecisionPolicy:
@@ -153,6 +153,7 @@ class PrecisionPolicy:
             stochastic_weights=bool(stochastic_weights) and unbiased_moments and switches["hadam"],
             derived_target=bool(derived_target) and switches["kahan_momentum"],
             channels_last=bool(channels_last),
+            tf32=bool(cfg.perf.get("tf32")) and device_type == "cuda",
             **switches,
         )
 
@@ -182,8 +183,9 @@ class PrecisionPolicy:
         return contextlib.nullcontext()
 
     # --- builders -----------------------------------------------------------------------------
-    def make_optimizer(self, params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float],
-                       kahan: bool, seed: int = 0) -> torch.optim.Optimizer:
+    def make_optimizer(
+        self, params: Iterable[nn.Parameter], lr: float, betas: tuple[float, float], kahan: bool, seed: int = 0
+    ) -> torch.optim.Optimizer:
         """hAdam or torch Adam; ``kahan`` asks for the compensated update (critic and alpha only,
         as the authors ran it) and takes effect when ``lowp.kahan_gradients`` is on. ``seed``
         picks hAdam's stochastic-rounding stream (``lowp.unbiased_moments``); the same on every
@@ -192,8 +194,16 @@ class PrecisionPolicy:
         if self.hadam and use_kahan and self.stochastic_weights:
             use_kahan = False  # the unbiased step then writes the weight with stochastic rounding
         if self.hadam:
-            return lowp.HAdam(params, lr=lr, betas=betas, eps=self.adam_eps, kahan=use_kahan,
-                              capturable=self.sync_free, unbiased_moments=self.unbiased_moments, seed=seed)
+            return lowp.HAdam(
+                params,
+                lr=lr,
+                betas=betas,
+                eps=self.adam_eps,
+                kahan=use_kahan,
+                capturable=self.sync_free,
+                unbiased_moments=self.unbiased_moments,
+                seed=seed,
+            )
         if use_kahan:
             return lowp.KahanAdam(params, lr=lr, betas=betas, eps=self.adam_eps)
         # torch's capturable Adam (step counts read on the device, graph-safe) exists for CUDA only;
@@ -209,8 +219,11 @@ class PrecisionPolicy:
     def make_scaler(self) -> Scaler:
         if self.loss_scaling:
             # device-side skips need hAdam's masked step; other optimizers decide on the host
-            return lowp.CompoundLossScaler(init_scale=self.init_scale, growth_interval=self.growth_interval,
-                                           sync_free=self.sync_free and self.hadam)
+            return lowp.CompoundLossScaler(
+                init_scale=self.init_scale,
+                growth_interval=self.growth_interval,
+                sync_free=self.sync_free and self.hadam,
+            )
         if self.mode == "amp":
             return torch.amp.GradScaler(self.device_type)
         return None
@@ -218,8 +231,14 @@ class PrecisionPolicy:
     def make_target_updater(self, source: nn.Module, target: nn.Module | None) -> lowp.KahanEMA:
         """Soft target update: Kahan-momentum with the xK scaled copy, or the plain EMA; with
         ``derived_target`` the target is computed from the xK copy when used (``target`` None)."""
-        return lowp.KahanEMA(source, target, scale=self.target_scale, compensated=self.kahan_momentum,
-                             check_every_update=not self.sync_free, derived_target=self.derived_target)
+        return lowp.KahanEMA(
+            source,
+            target,
+            scale=self.target_scale,
+            compensated=self.kahan_momentum,
+            check_every_update=not self.sync_free,
+            derived_target=self.derived_target,
+        )
 
     def distribution(self, mu: torch.Tensor, log_std: torch.Tensor) -> lowp.SquashedNormal:
         """The tanh-squashed Gaussian policy.
@@ -231,8 +250,9 @@ class PrecisionPolicy:
         log σ reach -10). Without it: σ = exp(log σ) and torch's ``-(x-μ)²/(2σ²)`` form.
         """
         if self.normal_fix:
-            return lowp.SquashedNormal(mu, log_scale=log_std, softplus_fix=self.softplus_fix,
-                                       normal_fix=True, noise_form=True)
+            return lowp.SquashedNormal(
+                mu, log_scale=log_std, softplus_fix=self.softplus_fix, normal_fix=True, noise_form=True
+            )
         return lowp.SquashedNormal(mu, log_std.exp(), softplus_fix=self.softplus_fix, normal_fix=False)
 
     # --- one optimizer step -------------------------------------------------------------------
@@ -283,6 +303,17 @@ class PrecisionPolicy:
         scaler.update()
         return found_inf == 0
 
+    def apply_global_numerics(self) -> None:
+        """Set torch's process-wide fp32 matmul and convolution precision to this policy's: IEEE
+        fp32 unless ``tf32`` (torch's CUDA convolutions would take TF32 by default otherwise).
+
+        The legacy switches, on purpose: Lightning reads ``torch.get_float32_matmul_precision()``,
+        which raises once the new ``fp32_precision`` API and the legacy one have both been used.
+        """
+        torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        torch.backends.cudnn.allow_tf32 = self.tf32
+
     def describe(self) -> str:
         on = [name for name in SIX if getattr(self, name)]
         if self.unbiased_moments and self.hadam:
@@ -292,15 +323,42 @@ class PrecisionPolicy:
         if self.derived_target:
             on.append("derived_target")
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""
-        mods = f"; modifications: {', '.join(on) if on else 'none'}" if self.mode != "amp" else "; torch autocast + GradScaler"
+        if self.device_type == "cuda" and self.mode in ("fp32", "amp"):
+            extra += "; fp32 matmuls/convolutions on TF32 tensor cores" if self.tf32 else "; TF32 off (IEEE fp32)"
+        mods = (
+            f"; modifications: {', '.join(on) if on else 'none'}"
+            if self.mode != "amp"
+            else "; torch autocast + GradScaler"
+        )
         return f"precision {self.mode}: parameters {str(self.param_dtype).removeprefix('torch.')}{mods}{extra}"
+
+
+def nonfinite_names(groups: Mapping[str, torch.Tensor | Iterable[torch.Tensor]]) -> list[str]:
+    """Names of the groups (one tensor or several each) that hold a NaN or an infinity, read with
+    one host synchronisation for all; tensors that are not floating point are passed over."""
+    names, flags = [], []
+    for name, tensors in groups.items():
+        floating = [
+            t
+            for t in ([tensors] if torch.is_tensor(tensors) else tensors)
+            if torch.is_tensor(t) and t.is_floating_point()
+        ]
+        if floating:
+            names.append(name)
+            flags.append(torch.stack([t.isfinite().all() for t in floating]).all())
+    if not flags:
+        return []
+    return [name for name, ok in zip(names, torch.stack(flags).tolist()) if not ok]
 
 
 def tensors_not_in(dtype: torch.dtype, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> list[str]:
     """Names of floating parameters, buffers and optimizer-state tensors whose dtype is not ``dtype``
     (empty in a truly pure run: no fp32 master copies anywhere)."""
-    wrong = [f"{name} ({t.dtype})" for name, t in [*module.named_parameters(), *module.named_buffers()]
-             if t.is_floating_point() and t.dtype != dtype]
+    wrong = [
+        f"{name} ({t.dtype})"
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+        if t.is_floating_point() and t.dtype != dtype
+    ]
     for i, opt in enumerate(optimizers):
         for state in opt.state.values():
             for key, value in state.items():
@@ -317,6 +375,7 @@ def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) 
     critic plus the Kahan-momentum scaled copy and its compensation buffer (any buffer of the
     module). Replay memory is reported separately: fp16 does not shrink uint8 frames.
     """
+
     def nbytes(tensors: Iterable[torch.Tensor]) -> int:
         seen, total = set(), 0
         for t in tensors:
@@ -328,8 +387,9 @@ def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) 
     params = [p for p in module.parameters() if p.requires_grad]
     frozen = [p for p in module.parameters() if not p.requires_grad]
     buffers = [b for b in module.buffers() if b.is_floating_point()]
-    opt_state = [v for opt in optimizers for st in opt.state.values() for v in st.values()
-                 if torch.is_tensor(v) and v.dim() > 0]
+    opt_state = [
+        v for opt in optimizers for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0
+    ]
     sizes = {"parameters": nbytes(params), "optimizer": nbytes(opt_state), "target": nbytes(frozen + buffers)}
     sizes["total"] = sum(sizes.values())
     return sizes

@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pixelsac.config import ConfigError
+
 __all__ = ["ReplayBuffer", "ReplaySet"]
 
 _FORMAT_VERSION = 1
@@ -63,9 +65,7 @@ def _nbytes(array: np.ndarray | torch.Tensor) -> int:
     return int(array.nbytes)
 
 
-def _resolve_placement(
-    device: torch.device | str | None, pin_memory: bool
-) -> tuple[torch.device | None, bool]:
+def _resolve_placement(device: torch.device | str | None, pin_memory: bool) -> tuple[torch.device | None, bool]:
     """Checked (device, pin_memory); a bare "cuda" becomes the current CUDA device, so that
     describe() names the GPU the ring really lives on."""
     if device is not None:
@@ -198,8 +198,7 @@ class ReplayBuffer:
         """Bytes allocated by all storage arrays (on the device, plus the host's episode-start
         flags, when the ring lives on a device)."""
         return sum(
-            _nbytes(array)
-            for array in (self._frames, self._actions, self._rewards, self._terminals, self._firsts)
+            _nbytes(array) for array in (self._frames, self._actions, self._rewards, self._terminals, self._firsts)
         )
 
     @property
@@ -241,9 +240,7 @@ class ReplayBuffer:
         self._written += 1
         self._episode_open = True
 
-    def add(
-        self, action: np.ndarray, reward: float, terminal: bool, next_frame: np.ndarray
-    ) -> None:
+    def add(self, action: np.ndarray, reward: float, terminal: bool, next_frame: np.ndarray) -> None:
         """Store one agent step: the action taken, its reward, and the frame it led to.
 
         `terminal` is True only when the task itself ended the episode; a time-limit end is
@@ -398,8 +395,7 @@ class ReplayBuffer:
         np.take(self._actions, sampled, out=action.numpy(), **take)
         np.take(self._rewards, sampled, out=reward.numpy().reshape(batch_size), **take)
         not_terminal.numpy()[:, 0] = ~self._terminals[sampled]
-        return {"obs": obs, "action": action, "reward": reward, "not_terminal": not_terminal,
-                "next_obs": next_obs}
+        return {"obs": obs, "action": action, "reward": reward, "not_terminal": not_terminal, "next_obs": next_obs}
 
     def _gather_on_device(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
         """The batch gathered on the ring's device. The slot numbers are the only host->device
@@ -456,10 +452,7 @@ class ReplayBuffer:
         the buffer.
         """
         if int(state.get("format_version", -1)) != _FORMAT_VERSION:
-            raise ValueError(
-                f"replay state has format {state.get('format_version')!r}, "
-                f"expected {_FORMAT_VERSION}"
-            )
+            raise ValueError(f"replay state has format {state.get('format_version')!r}, expected {_FORMAT_VERSION}")
         for name, mine in (("capacity", self._capacity), ("frame_stack", self._frame_stack)):
             if int(state[name]) != mine:
                 raise ValueError(f"replay state has {name}={int(state[name])}, this buffer {mine}")
@@ -482,8 +475,7 @@ class ReplayBuffer:
             row = tuple(target.shape[1:])
             if source.shape != (filled, *row) or source.dtype != dtype:
                 raise ValueError(
-                    f"replay state {name!r} is {source.dtype}{list(source.shape)}, "
-                    f"expected {dtype}{[filled, *row]}"
+                    f"replay state {name!r} is {source.dtype}{list(source.shape)}, expected {dtype}{[filled, *row]}"
                 )
             loaded[name] = source
         for name, (target, _) in arrays.items():
@@ -508,16 +500,29 @@ class ReplaySet:
     every ring: see :class:`ReplayBuffer`.
     """
 
-    def __init__(self, num_envs: int, capacity: int, frame_shape: tuple[int, ...], frame_dtype: Any,
-                 frame_stack: int, action_dim: int, device: torch.device | str | None = None,
-                 pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        num_envs: int,
+        capacity: int,
+        frame_shape: tuple[int, ...],
+        frame_dtype: Any,
+        frame_stack: int,
+        action_dim: int,
+        device: torch.device | str | None = None,
+        pin_memory: bool = False,
+    ) -> None:
         per_env = _positive("capacity", capacity) // _positive("num_envs", num_envs)
         if per_env <= frame_stack:
-            raise ValueError(f"replay capacity {capacity} is too small for {num_envs} envs "
-                             f"(each needs more than {frame_stack} slots)")
-        self.buffers = [ReplayBuffer(per_env, frame_shape, frame_dtype, frame_stack, action_dim,
-                                     device=device, pin_memory=pin_memory)
-                        for _ in range(num_envs)]
+            raise ValueError(
+                f"replay capacity {capacity} is too small for {num_envs} envs "
+                f"(each needs more than {frame_stack} slots)"
+            )
+        self.buffers = [
+            ReplayBuffer(
+                per_env, frame_shape, frame_dtype, frame_stack, action_dim, device=device, pin_memory=pin_memory
+            )
+            for _ in range(num_envs)
+        ]
 
     @property
     def capacity(self) -> int:
@@ -539,8 +544,10 @@ class ReplaySet:
     def describe(self) -> str:
         """One line stating the capacity in transitions and bytes, over all rings, and where."""
         rings = f"; {len(self.buffers)} rings, one per env" if len(self.buffers) > 1 else ""
-        return (f"replay buffer: {self.capacity:,} transitions x {self.bytes_per_transition:,.0f} B "
-                f"= {self.nbytes / 1e9:.2f} GB ({self.buffers[0]._contents()}){rings}")
+        return (
+            f"replay buffer: {self.capacity:,} transitions x {self.bytes_per_transition:,.0f} B "
+            f"= {self.nbytes / 1e9:.2f} GB ({self.buffers[0]._contents()}){rings}"
+        )
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers)
@@ -567,7 +574,52 @@ class ReplaySet:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["buffers"]) != len(self.buffers):
-            raise ValueError(f"the saved replay holds {len(state['buffers'])} env rings; this run has "
-                             f"{len(self.buffers)} (env.num_envs must match to resume)")
+            raise ValueError(
+                f"the saved replay holds {len(state['buffers'])} env rings; this run has "
+                f"{len(self.buffers)} (env.num_envs must match to resume)"
+            )
         for buffer, saved in zip(self.buffers, state["buffers"]):
             buffer.load_state_dict(saved)
+
+
+def replay_placement(replay_cfg: Any, training_device: torch.device) -> tuple[torch.device | None, bool]:
+    """``(device, pin_memory)`` for the replay rings from the ``replay`` config group (``device``,
+    ``pin_memory``) and the device this rank trains on (``trainer.strategy.root_device``).
+
+    ``auto`` is the training device, or host memory (None) when that is a CPU: there numpy
+    storage is the training device's memory already. A bare ``cuda`` is this rank's GPU.
+    ``pin_memory`` null is on exactly when batches go from host replay to a CUDA device. A device
+    or pinned memory this machine lacks is a ConfigError (one line, exit code 2).
+    """
+    setting, pin = replay_cfg.device, replay_cfg.pin_memory
+    device = None
+    if setting == "auto":
+        device = None if training_device.type == "cpu" else training_device
+    elif setting is not None:
+        device = torch.device(setting)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    f"replay.device={setting} needs a CUDA GPU and torch sees none; "
+                    "use replay.device=null (host memory) or auto"
+                )
+            if device.index is None and training_device.type == "cuda":
+                device = training_device  # under DDP each rank keeps its replay on its own GPU
+            elif device.index is not None and device.index >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"replay.device={setting}, but torch sees {torch.cuda.device_count()} CUDA "
+                    f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})"
+                )
+    if pin is None:
+        pin = device is None and training_device.type == "cuda"
+    elif pin and device is not None:
+        raise ConfigError(
+            f"replay.pin_memory=true applies to host replay; replay.device={setting} already "
+            "samples batches on the device (leave pin_memory null)"
+        )
+    elif pin and not torch.cuda.is_available():
+        raise ConfigError(
+            "replay.pin_memory=true needs CUDA (page-locked memory serves host->GPU copies) "
+            "and torch sees no CUDA device; use replay.pin_memory=null"
+        )
+    return device, bool(pin)

@@ -18,7 +18,7 @@ acts on it between updates (:class:`StopOnSignal`):
 3. ``last.ckpt`` and its replay file are written (saving is collective; every rank writes its own
    replay file, rank 0 the checkpoint), Lightning ends ``fit`` normally -- loggers flushed, run
    summary written -- and the entry point prints one line and exits with code 75
-   (``pixelsac.train.EXIT_STOPPED``).
+   (``pixelsac.cli.EXIT_STOPPED``).
 
 A second signal skips the wait and saves at once. A second signal while a checkpoint is being
 written, or a third one, exits at once with code 128 + the signal's number (130 for Ctrl-C):
@@ -92,11 +92,15 @@ class StopRequest:
         self.count += 1
         if self.count == 1:
             self.signal_name, self.received_at = name, time.monotonic()
-            _say(f"{name}: stopping after the current update; saving last.ckpt, at the episode boundary if it "
-                 f"is near ({name} again: save at once)")
+            _say(
+                f"{name}: stopping after the current update; saving last.ckpt, at the episode boundary if it "
+                f"is near ({name} again: save at once)"
+            )
         elif self.saving or self.count > 2:
-            _say(f"{name} again: exiting now with code {128 + signum}, the checkpoint being written is abandoned; "
-                 "the previous one is intact")
+            _say(
+                f"{name} again: exiting now with code {128 + signum}, the checkpoint being written is abandoned; "
+                "the previous one is intact"
+            )
             os._exit(128 + signum)
         else:
             self.save_now = True
@@ -159,16 +163,23 @@ class StopOutcome:
         resume = f"continue with: python -m pixelsac.train resume={run_dir} (or this command with resume=auto)"
         previous = self.previous
         if self.reason == "final evaluation":
-            return (f"stopped by {self.signal_name} during the final evaluation {where}: saved {self.checkpoint} "
-                    f"with its replay; {resume} -- it runs that evaluation")
+            return (
+                f"stopped by {self.signal_name} during the final evaluation {where}: saved {self.checkpoint} "
+                f"with its replay; {resume} -- it runs that evaluation"
+            )
         if self.reason in ("saved", "already saved"):
-            how = ("exact: at an episode boundary" if self.exact
-                   else "inexact: mid-episode, the resumed run starts new episodes")
+            how = (
+                "exact: at an episode boundary"
+                if self.exact
+                else "inexact: mid-episode, the resumed run starts new episodes"
+            )
             return f"stopped by {self.signal_name} {where}: saved {self.checkpoint} with its replay ({how}); {resume}"
         if self.reason == "nothing new":
             stands = f"{previous} stands" if previous else "there is no checkpoint yet"
-            return (f"stopped by {self.signal_name} {where}, before any new work: nothing to save ({stands}); "
-                    f"run the same command again to go on")
+            return (
+                f"stopped by {self.signal_name} {where}, before any new work: nothing to save ({stands}); "
+                f"run the same command again to go on"
+            )
         stands = f"last good checkpoint: {previous}" if previous else "no checkpoint was written"
         return f"stopped by {self.signal_name} {where}, but the weights are not finite: nothing saved ({stands})"
 
@@ -192,8 +203,15 @@ class StopOnSignal(L.Callback):
     run was not stopped by a signal).
     """
 
-    def __init__(self, request: StopRequest, stream: Any, collector: Any, checkpointer: Any,
-                 max_wait_steps: int, max_wait_seconds: float) -> None:
+    def __init__(
+        self,
+        request: StopRequest,
+        stream: Any,
+        collector: Any,
+        checkpointer: Any,
+        max_wait_steps: int,
+        max_wait_seconds: float,
+    ) -> None:
         self.request, self.stream, self.collector, self.checkpointer = request, stream, collector, checkpointer
         self.max_wait_steps, self.max_wait_seconds = int(max_wait_steps), float(max_wait_seconds)
         self.outcome: StopOutcome | None = None
@@ -222,8 +240,16 @@ class StopOnSignal(L.Callback):
             return False
         waited_out = request.received_at is not None and time.monotonic() - request.received_at >= self.max_wait_seconds
         to_boundary = collector.steps_to_episode_boundary
-        votes = torch.tensor([int(request.pending), int(request.save_now), int(not collector.at_episode_boundary),
-                              _NO_BOUNDARY if to_boundary is None else to_boundary, int(waited_out)], dtype=torch.int64)
+        votes = torch.tensor(
+            [
+                int(request.pending),
+                int(request.save_now),
+                int(not collector.at_episode_boundary),
+                _NO_BOUNDARY if to_boundary is None else to_boundary,
+                int(waited_out),
+            ],
+            dtype=torch.int64,
+        )
         if self._world > 1:
             dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._group)
         pending, save_now, mid_episode, to_boundary, waited_out = (int(v) for v in votes.tolist())
@@ -246,17 +272,27 @@ class StopOnSignal(L.Callback):
         """The budget was done, but the signal gave up its final evaluation (the Evaluator, before
         this callback, still saved): the run is not finished."""
         if self.outcome is None and self.request.gave_up_final_evaluation:
-            self.outcome = StopOutcome(self.request.signal_name or "a signal", self.collector.total_env_frames,
-                                       pl_module.updates, self.checkpointer.last_path,
-                                       self.collector.at_episode_boundary, "final evaluation")
+            self.outcome = StopOutcome(
+                self.request.signal_name or "a signal",
+                self.collector.total_env_frames,
+                pl_module.updates,
+                self.checkpointer.last_path,
+                self.collector.at_episode_boundary,
+                "final evaluation",
+            )
 
     def _save(self, trainer: L.Trainer, module: Any) -> StopOutcome:
         collector, checkpointer = self.collector, self.checkpointer
         now = (collector.agent_steps, module.updates)
         last = checkpointer.last_path
-        outcome = dict(signal_name=self.request.signal_name or "a signal to another rank",
-                       env_frames=collector.total_env_frames, updates=module.updates, exact=self._exact,
-                       checkpoint=None, previous=last if last.is_file() else None)
+        outcome = dict(
+            signal_name=self.request.signal_name or "a signal to another rank",
+            env_frames=collector.total_env_frames,
+            updates=module.updates,
+            exact=self._exact,
+            checkpoint=None,
+            previous=last if last.is_file() else None,
+        )
         if now == self._start:
             return StopOutcome(**outcome, reason="nothing new")
         if checkpointer.saved_at == now:  # e.g. the signal came while an evaluation's checkpoint was written

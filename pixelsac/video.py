@@ -69,8 +69,9 @@ def write_video(path: str | Path, frames: Iterable[np.ndarray], fps: float = DEF
     import imageio.v2 as imageio
 
     # macro_block_size=1: otherwise imageio resizes e.g. 84x84 frames up to 96x96.
-    with imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264",
-                            macro_block_size=1, ffmpeg_log_level="error") as writer:
+    with imageio.get_writer(
+        path, format="FFMPEG", mode="I", fps=fps, codec="libx264", macro_block_size=1, ffmpeg_log_level="error"
+    ) as writer:
         for frame in frames:
             writer.append_data(_even(np.asarray(frame, dtype=np.uint8)))
     return path
@@ -81,8 +82,7 @@ def _write_gif(path: Path, frames: Sequence[np.ndarray], fps: float) -> Path:
 
     images = [Image.fromarray(np.asarray(frame, dtype=np.uint8)) for frame in frames]
     # GIF stores delays in 10 ms units; pillow rounds the milliseconds it is given.
-    images[0].save(path, save_all=True, append_images=images[1:], duration=max(20, round(1000 / fps)),
-                   loop=0)
+    images[0].save(path, save_all=True, append_images=images[1:], duration=max(20, round(1000 / fps)), loop=0)
     return path
 
 
@@ -113,8 +113,14 @@ class EpisodeRecorder:
             ``action_repeat`` control steps), read from the environment at the first frame.
     """
 
-    def __init__(self, size: int = 256, camera_id: int | None = None, agent_view: bool = False,
-                 episodes: Iterable[int] | None = frozenset({0}), fps: float | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 256,
+        camera_id: int | None = None,
+        agent_view: bool = False,
+        episodes: Iterable[int] | None = frozenset({0}),
+        fps: float | None = None,
+    ) -> None:
         if size < 1:
             raise ValueError(f"video size must be positive, got {size}")
         self.size = int(size)

@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+import pixelsac.run as run_mod
 import pixelsac.train as train_mod
 from pixelsac import lowp
 
@@ -24,12 +25,19 @@ poison_update = int(os.environ.get("POISON_UPDATE", "-1"))
 
 class DumpRankState(L.Callback):
     def on_train_end(self, trainer, module):
-        torch.save({"state_dict": module.state_dict(), "updates": module.updates, "skipped": dict(module.skipped),
-                    "scales": module.loss_scales(), "env_frames": self.collector.env_frames},
-                   dump_dir / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {
+                "state_dict": module.state_dict(),
+                "updates": module.updates,
+                "skipped": dict(module.skipped),
+                "scales": module.loss_scales(),
+                "env_frames": self.collector.env_frames,
+            },
+            dump_dir / f"rank{trainer.global_rank}.pt",
+        )
 
 
-real_build = train_mod.build_run
+real_build = run_mod.build_run
 
 
 def build_run(cfg, resume_from=None, **kwargs):
@@ -41,8 +49,7 @@ def build_run(cfg, resume_from=None, **kwargs):
     real_step = lowp.CompoundLossScaler.step
 
     def poisoned_step(scaler, optimizer, reduce_found_inf=None):
-        if (run.trainer.global_rank == 1 and module.updates == poison_update
-                and scaler is module.scalers["critic"]):
+        if run.trainer.global_rank == 1 and module.updates == poison_update and scaler is module.scalers["critic"]:
             next(p for g in optimizer.param_groups for p in g["params"] if p.grad is not None).grad[0] = float("inf")
         return real_step(scaler, optimizer, reduce_found_inf)
 
@@ -52,5 +59,5 @@ def build_run(cfg, resume_from=None, **kwargs):
     return run
 
 
-train_mod.build_run = build_run
+run_mod.build_run = build_run
 sys.exit(train_mod.main(sys.argv[1:]))

@@ -34,6 +34,7 @@ import lightning as L
 import torch
 
 import pixelsac.callbacks as callbacks
+import pixelsac.run as run_mod
 import pixelsac.train as train_mod
 
 env = os.environ
@@ -67,11 +68,13 @@ class Hooks(L.Callback):
 
     def on_train_end(self, trainer, module):
         if dump_dir is not None:
-            torch.save({"state_dict": module.state_dict(), "updates": module.updates,
-                        "env_frames": self.collector.env_frames}, dump_dir / f"rank{trainer.global_rank}.pt")
+            torch.save(
+                {"state_dict": module.state_dict(), "updates": module.updates, "env_frames": self.collector.env_frames},
+                dump_dir / f"rank{trainer.global_rank}.pt",
+            )
 
 
-real_build = train_mod.build_run
+real_build = run_mod.build_run
 
 
 def build_run(cfg, resume_from=None, **kwargs):
@@ -80,7 +83,7 @@ def build_run(cfg, resume_from=None, **kwargs):
     return run
 
 
-train_mod.build_run = build_run
+run_mod.build_run = build_run
 
 if env.get("SIGNAL_AT_EVAL"):
     real_episodes = callbacks.run_episodes

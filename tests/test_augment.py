@@ -10,7 +10,7 @@ from pixelsac.augment import BACKENDS, RandomShift
 def _find_shift(out: torch.Tensor, padded: torch.Tensor, size: int, pad: int) -> tuple[int, int] | None:
     for dy in range(2 * pad + 1):
         for dx in range(2 * pad + 1):
-            if torch.equal(out, padded[:, dy:dy + size, dx:dx + size]):
+            if torch.equal(out, padded[:, dy : dy + size, dx : dx + size]):
                 return dy, dx
     return None
 
@@ -77,7 +77,9 @@ def test_index_shift_equals_pad_then_crop_with_the_same_offsets():
     torch.set_rng_state(state)
     offsets = torch.randint(0, 2 * pad + 1, (32, 2))
     padded = F.pad(images.float(), (pad,) * 4, mode="replicate")
-    expected = torch.stack([padded[i, :, dy:dy + size, dx:dx + size] for i, (dy, dx) in enumerate(offsets.tolist())])
+    expected = torch.stack(
+        [padded[i, :, dy : dy + size, dx : dx + size] for i, (dy, dx) in enumerate(offsets.tolist())]
+    )
     assert torch.equal(out.float(), expected)
 
 

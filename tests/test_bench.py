@@ -11,33 +11,54 @@ from pathlib import Path
 import pytest
 import torch
 
-from pixelsac import bench, perf
+from pixelsac import bench, nets
+from pixelsac.benchmark import cells, report
+from pixelsac.benchmark import plan as plan_mod
 from pixelsac.config import load_config, to_plain
 from pixelsac.module import SACModule
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = ["task=cartpole_swingup", "env.image_size=24", "agent.num_filters=4", "agent.feature_dim=8",
-        "agent.hidden_dim=16", "bench.batch_sizes=4", "bench.updates=2", "bench.warmup=1"]
+TINY = [
+    "task=cartpole_swingup",
+    "env.image_size=24",
+    "agent.num_filters=4",
+    "agent.feature_dim=8",
+    "agent.hidden_dim=16",
+    "bench.batch_sizes=4",
+    "bench.updates=2",
+    "bench.warmup=1",
+]
 
 
 def row(mode, ms, state, peak=None, batch=128, variant="", kind="cuda_max_allocated", status="ok", **extra):
-    return {"mode": mode, "batch_size": batch, "variant": variant, "ms_mean": ms, "state_bytes": state,
-            "peak_mem_bytes": peak, "peak_mem_kind": kind, "status": status, **extra}
+    return {
+        "mode": mode,
+        "batch_size": batch,
+        "variant": variant,
+        "ms_mean": ms,
+        "state_bytes": state,
+        "peak_mem_bytes": peak,
+        "peak_mem_kind": kind,
+        "status": status,
+        **extra,
+    }
 
 
 def test_ratios_are_computed_from_the_measured_values():
-    rows = bench.add_ratios([
-        row("fp32", 40.0, 1200, peak=9000),
-        row("fp16", 16.0, 800, peak=3000),
-        row("fp32", 100.0, 1200, peak=20000, batch=512),
-        row("fp16", 25.0, 800, peak=None, batch=512),        # peak not measured: no peak ratio
-        row("fp16", 10.0, 800, peak=3000, variant="channels_last"),  # no fp32 with channels_last
-        row("bf16", 5.0, 600, status="failed: out of memory"),
-    ])
+    rows = report.add_ratios(
+        [
+            row("fp32", 40.0, 1200, peak=9000),
+            row("fp16", 16.0, 800, peak=3000),
+            row("fp32", 100.0, 1200, peak=20000, batch=512),
+            row("fp16", 25.0, 800, peak=None, batch=512),  # peak not measured: no peak ratio
+            row("fp16", 10.0, 800, peak=3000, variant="channels_last"),  # no fp32 with channels_last
+            row("bf16", 5.0, 600, status="failed: out of memory"),
+        ]
+    )
     fp32, fp16, fp32_512, fp16_512, fp16_cl, failed = rows
     assert fp32["speedup_vs_fp32"] == 1.0 and fp32["state_vs_fp32"] == 1.0
-    assert fp16["speedup_vs_fp32"] == pytest.approx(40.0 / 16.0)   # fp32 ms / mode ms
-    assert fp16["state_vs_fp32"] == pytest.approx(800 / 1200)      # mode bytes / fp32 bytes
+    assert fp16["speedup_vs_fp32"] == pytest.approx(40.0 / 16.0)  # fp32 ms / mode ms
+    assert fp16["state_vs_fp32"] == pytest.approx(800 / 1200)  # mode bytes / fp32 bytes
     assert fp16["peak_vs_fp32"] == pytest.approx(3000 / 9000)
     assert fp16_512["speedup_vs_fp32"] == pytest.approx(100.0 / 25.0)  # paired with fp32 at its own batch size
     assert fp16_512["peak_vs_fp32"] is None
@@ -51,32 +72,69 @@ def test_ratios_are_computed_from_the_measured_values():
 def test_memory_ratios_pair_each_emulation_form_with_fp32():
     groups32 = {"parameters": {"critic.trunk": 400}, "optimizer": {"exp_avg": 400, "exp_avg_sq": 400}}
     groups16 = {"parameters": {"critic.trunk": 200}, "optimizer": {"exp_avg": 200, "exp_avg_root": 200}}
-    rows = bench.add_ratios([
-        row("fp32", 40.0, 1200, saved_bytes=1000, tensor_peak_bytes=3000, state_groups=groups32),
-        row("fp16", 50.0, 800, variant="saves_fp32", speed_variant="", saved_bytes=1500, tensor_peak_bytes=2900,
-            state_groups=groups16),
-        row("fp16", 52.0, 800, variant="saves_low", speed_variant="", saved_bytes=500, tensor_peak_bytes=1800,
-            state_groups=groups16),
-    ])
+    rows = report.add_ratios(
+        [
+            row("fp32", 40.0, 1200, saved_bytes=1000, tensor_peak_bytes=3000, state_groups=groups32),
+            row(
+                "fp16",
+                50.0,
+                800,
+                variant="saves_fp32",
+                speed_variant="",
+                saved_bytes=1500,
+                tensor_peak_bytes=2900,
+                state_groups=groups16,
+            ),
+            row(
+                "fp16",
+                52.0,
+                800,
+                variant="saves_low",
+                speed_variant="",
+                saved_bytes=500,
+                tensor_peak_bytes=1800,
+                state_groups=groups16,
+            ),
+        ]
+    )
     _, old, new = rows
     assert old["saved_vs_fp32"] == 1.5 and new["saved_vs_fp32"] == 0.5 and new["tensor_peak_vs_fp32"] == 0.6
     assert new["speedup_vs_fp32"] == pytest.approx(40 / 52) and new["speedup_vs_base"] == pytest.approx(50 / 52)
-    assert new["state_groups_vs_fp32"] == {"parameters": {"critic.trunk": 0.5},
-                                           "optimizer": {"exp_avg": 0.5, "exp_avg_root": None}}
+    assert new["state_groups_vs_fp32"] == {
+        "parameters": {"critic.trunk": 0.5},
+        "optimizer": {"exp_avg": 0.5, "exp_avg_root": None},
+    }
 
 
 def test_sync_free_is_measured_on_and_off(tmp_path):
     out = tmp_path / "bench"
-    assert bench.main([*TINY, "bench.modes=fp32,fp16", "bench.sync_free=both", "bench.batch=all",
-                       "bench.isolate=false", f"bench.out={out}"]) == 0
+    assert (
+        bench.main(
+            [
+                *TINY,
+                "bench.modes=fp32,fp16",
+                "bench.sync_free=both",
+                "bench.batch=all",
+                "bench.isolate=false",
+                f"bench.out={out}",
+            ]
+        )
+        == 0
+    )
     rows = list(csv.DictReader((out / "bench.csv").open()))
     assert [(r["mode"], r["variant"]) for r in rows] == [
-        ("fp32", "host_sync"), ("fp16", "host_sync"), ("fp32", "sync_free"), ("fp16", "sync_free")]
+        ("fp32", "host_sync"),
+        ("fp16", "host_sync"),
+        ("fp32", "sync_free"),
+        ("fp16", "sync_free"),
+    ]
     assert all(r["status"] == "ok" for r in rows)
     on = {r["mode"]: r for r in rows if r["variant"] == "sync_free"}
     off = {r["mode"]: r for r in rows if r["variant"] == "host_sync"}
     for mode in ("fp32", "fp16"):
-        assert float(on[mode]["speedup_vs_base"]) == pytest.approx(float(off[mode]["ms_mean"]) / float(on[mode]["ms_mean"]))
+        assert float(on[mode]["speedup_vs_base"]) == pytest.approx(
+            float(off[mode]["ms_mean"]) / float(on[mode]["ms_mean"])
+        )
         assert on[mode]["base_variant"] == "host_sync"
     text = (out / "bench.md").read_text()
     assert "batch sources pinned and device: skipped on a CPU" in text and "vs switches off" in text
@@ -84,8 +142,9 @@ def test_sync_free_is_measured_on_and_off(tmp_path):
 
 def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
     out = tmp_path / "bench"
-    code = bench.main([*TINY, "bench.modes=fp32,fp16-naive,fp16,fp16-native", "bench.isolate=false",
-                       f"bench.out={out}"])
+    code = bench.main(
+        [*TINY, "bench.modes=fp32,fp16-naive,fp16,fp16-native", "bench.isolate=false", f"bench.out={out}"]
+    )
     assert code == 0
     rows = list(csv.DictReader((out / "bench.csv").open()))
     assert [r["mode"] for r in rows] == ["fp32", "fp16-naive", "fp16", "fp16-native"]
@@ -94,7 +153,7 @@ def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
     for r in rows:  # every ratio is fp32's figure over (or under) the row's own measured one
         assert float(r["speedup_vs_fp32"]) == pytest.approx(float(by_mode["fp32"]["ms_mean"]) / float(r["ms_mean"]))
         assert float(r["state_vs_fp32"]) == pytest.approx(int(r["state_bytes"]) / int(by_mode["fp32"]["state_bytes"]))
-    assert by_mode["fp16-naive"]["finite_after_first_update"] == "False"   # naive fp16 fails at once, timed anyway
+    assert by_mode["fp16-naive"]["finite_after_first_update"] == "False"  # naive fp16 fails at once, timed anyway
     assert by_mode["fp16"]["finite_at_end"] == "True"
     assert by_mode["fp16"]["emulated"] == "True" and by_mode["fp16-native"]["emulated"] == "False"
     assert by_mode["fp16"]["peak_mem_kind"].startswith("not measured")  # in-process on a CPU: said, not guessed
@@ -109,8 +168,15 @@ def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
     assert "fp32-accumulate on vs off" in text  # this machine's own speed-up, fp16 emulated vs native
     assert "non-finite after update 1" in text
     assert "bytes per transition" in text
-    for what in ("saved for backward MiB (× fp32)", "tensor peak MiB", "Which memory figure is which",
-                 "saved_tensors_hooks", "State by group", "| optimizer | exp_avg_root |", "| optimizer | exp_avg_sq |"):
+    for what in (
+        "saved for backward MiB (× fp32)",
+        "tensor peak MiB",
+        "Which memory figure is which",
+        "saved_tensors_hooks",
+        "State by group",
+        "| optimizer | exp_avg_root |",
+        "| optimizer | exp_avg_sq |",
+    ):
         assert what in text, what
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     meta = json.loads((out / "bench.json").read_text())
@@ -119,9 +185,9 @@ def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
 
 
 def test_a_fresh_process_cell_measures_its_own_peak_rss(tmp_path):
-    plan = bench.make_plan([*TINY, "bench.modes=fp32", f"bench.out={tmp_path / 'unused'}"])
+    plan = plan_mod.make_plan([*TINY, "bench.modes=fp32", f"bench.out={tmp_path / 'unused'}"])
     assert plan.isolate  # the default on a CPU
-    result = bench.run_cell_isolated(plan.cells[0])
+    result = cells.run_cell_isolated(plan.cells[0])
     assert result["status"] == "ok" and result["mode"] == "fp32"
     assert result["peak_mem_kind"].startswith("rss_peak_above_baseline")
     assert result["saved_bytes"] > 0 and result["tensor_peak_bytes"] > 0 and result["state_groups"]["parameters"]
@@ -131,11 +197,18 @@ def test_a_fresh_process_cell_measures_its_own_peak_rss(tmp_path):
 
 def test_the_emulations_two_forms_are_measured_apart_and_interleaved(tmp_path):
     out = tmp_path / "bench"
-    assert bench.main([*TINY, "bench.modes=fp32,fp16", "bench.emulation_saves=both", "bench.isolate=false",
-                       f"bench.out={out}"]) == 0
+    assert (
+        bench.main(
+            [*TINY, "bench.modes=fp32,fp16", "bench.emulation_saves=both", "bench.isolate=false", f"bench.out={out}"]
+        )
+        == 0
+    )
     rows = list(csv.DictReader((out / "bench.csv").open()))
     assert [(r["mode"], r["variant"], r["emulation"]) for r in rows] == [
-        ("fp32", "", ""), ("fp16", "saves_fp32", "saves_fp32"), ("fp16", "saves_low", "saves_low")]
+        ("fp32", "", ""),
+        ("fp16", "saves_fp32", "saves_fp32"),
+        ("fp16", "saves_low", "saves_low"),
+    ]
     fp32, old, new = rows
     assert float(new["saved_vs_fp32"]) <= 0.55 and float(old["saved_vs_fp32"]) > 1.0  # fp32 copies beside fp16
     assert old["state_bytes"] == new["state_bytes"] and float(new["speedup_vs_fp32"]) > 0
@@ -148,13 +221,14 @@ def test_the_emulations_two_forms_are_measured_apart_and_interleaved(tmp_path):
 
 
 def test_speed_switches_keep_the_networks_output():
-    cfg = load_config(["env.image_size=24", "agent.num_filters=4", "agent.feature_dim=8", "agent.hidden_dim=16",
-                       "precision=fp32"])
+    cfg = load_config(
+        ["env.image_size=24", "agent.num_filters=4", "agent.feature_dim=8", "agent.hidden_dim=16", "precision=fp32"]
+    )
     torch.manual_seed(0)
     plain = SACModule(to_plain(cfg), (9, 24, 24), 2)
     torch.manual_seed(0)
     fast = SACModule(to_plain(cfg), (9, 24, 24), 2)
-    perf.apply_speed_options(fast, channels_last=True, compile=True, compile_backend="eager")
+    nets.apply_speed_options(fast, channels_last=True, compile=True, compile_backend="eager")
     conv = fast.critic.trunk.convs[0].weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
     assert fast.critic_target.trunk.convs[2].weight.is_contiguous(memory_format=torch.channels_last)
@@ -169,23 +243,26 @@ def test_help_documents_every_bench_option(capsys):
     assert bench.main(["--help"]) == 0
     text = capsys.readouterr().out
     assert "python -m pixelsac.bench" in text
-    for name in bench.OPTIONS:
+    for name in plan_mod.OPTIONS:
         assert f"bench.{name}" in text, name
 
 
-@pytest.mark.parametrize("args,message", [
-    (["bench.mode=fp16"], "unknown key 'bench.mode' (did you mean 'bench.modes'?)"),
-    (["bench.modes=fp16,fp99"], "unknown mode 'fp99'"),
-    (["bench.batch_sizes=128,0"], "bench.batch_sizes=0 must be a positive integer"),
-    (["bench.updates=0"], "bench.updates=0 must be a positive integer"),
-    (["bench.channels_last=sideways"], "choose one of auto, off, on, both"),
-    (["bench.sync_free=maybe"], "choose one of auto, off, on, both"),
-    (["bench.batch=gpu"], "choose from auto, all, host, pinned, device"),
-    (["bench.emulation_saves=fp8"], "bench.emulation_saves='fp8'; choose one of low, fp32, both"),
-    (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
-    (["task=cheeta_run"], "unknown task 'cheeta_run'"),
-    (["bench.modes=tf32", "bench.device=cpu"], "nothing to run on a cpu: tf32: skipped"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["bench.mode=fp16"], "unknown key 'bench.mode' (did you mean 'bench.modes'?)"),
+        (["bench.modes=fp16,fp99"], "unknown mode 'fp99'"),
+        (["bench.batch_sizes=128,0"], "bench.batch_sizes=0 must be a positive integer"),
+        (["bench.updates=0"], "bench.updates=0 must be a positive integer"),
+        (["bench.channels_last=sideways"], "choose one of auto, off, on, both"),
+        (["bench.sync_free=maybe"], "choose one of auto, off, on, both"),
+        (["bench.batch=gpu"], "choose from auto, all, host, pinned, device"),
+        (["bench.emulation_saves=fp8"], "bench.emulation_saves='fp8'; choose one of low, fp32, both"),
+        (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
+        (["task=cheeta_run"], "unknown task 'cheeta_run'"),
+        (["bench.modes=tf32", "bench.device=cpu"], "nothing to run on a cpu: tf32: skipped"),
+    ],
+)
 def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, args, message):
     out = tmp_path / "out"
     assert bench.main([*args, f"bench.out={out}"]) == 2
@@ -203,8 +280,14 @@ def test_an_existing_output_folder_is_not_clobbered(tmp_path, capsys):
 
 def test_command_line_refuses_bad_input_with_exit_code_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", "pixelsac.bench", "bench.modes=fp99"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "pixelsac.bench", "bench.modes=fp99"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
     assert list(tmp_path.iterdir()) == []

@@ -14,8 +14,17 @@ def test_defaults_follow_drq():
     assert cfg.train.seed_steps == 1000 and cfg.agent.lr == 1e-3
 
 
-@pytest.mark.parametrize("task,repeat", [("cartpole_swingup", 8), ("reacher_easy", 4), ("cheetah_run", 4),
-                                         ("finger_spin", 2), ("ball_in_cup_catch", 4), ("walker_walk", 2)])
+@pytest.mark.parametrize(
+    "task,repeat",
+    [
+        ("cartpole_swingup", 8),
+        ("reacher_easy", 4),
+        ("cheetah_run", 4),
+        ("finger_spin", 2),
+        ("ball_in_cup_catch", 4),
+        ("walker_walk", 2),
+    ],
+)
 def test_task_files_set_planet_action_repeat(task, repeat):
     assert load_config([f"task={task}"]).env.action_repeat == repeat
 
@@ -40,25 +49,28 @@ def test_plain_round_trip():
     assert to_plain(from_plain(to_plain(cfg))) == to_plain(cfg)
 
 
-@pytest.mark.parametrize("override,fragment", [
-    (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
-    (["agent.batch_size=abc"], "agent.batch_size='abc' has the wrong type; it takes an integer"),
-    (["agent.batch_size=1.5"], "it takes an integer"),
-    (["agent.lr=true"], "it takes a number"),
-    (["agent.batch_size=0"], "agent.batch_size=0 must be positive"),
-    (["replay.capacity=-5"], "must be positive"),
-    (["agent.discount=1.5"], "must lie in [0, 1]"),
-    (["precision=fp8"], "unknown precision 'fp8'; choose one of fp32, fp16, bf16, amp"),
-    (["task=cheeta_run"], "unknown task 'cheeta_run' (did you mean 'cheetah_run'?)"),
-    (["trainer.devics=2"], "did you mean 'devices'?"),
-    (["trainer.logger=false"], "set by pixelsac itself"),
-    (["preset=tinny"], "unknown preset 'tinny' (did you mean 'tiny'?)"),
-    (["batch_size"], "expected key=value"),
-    (["agent=3"], "agent is a group of keys"),
-    (["nope.x=1"], "unknown key 'nope.x'; top-level keys:"),
-    (["env.obs=depth"], "env.obs='depth'; choose one of pixels, state"),
-    (["seed=null"], "seed cannot be null"),
-])
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
+        (["agent.batch_size=abc"], "agent.batch_size='abc' has the wrong type; it takes an integer"),
+        (["agent.batch_size=1.5"], "it takes an integer"),
+        (["agent.lr=true"], "it takes a number"),
+        (["agent.batch_size=0"], "agent.batch_size=0 must be positive"),
+        (["replay.capacity=-5"], "must be positive"),
+        (["agent.discount=1.5"], "must lie in [0, 1]"),
+        (["precision=fp8"], "unknown precision 'fp8'; choose one of fp32, fp16, bf16, amp"),
+        (["task=cheeta_run"], "unknown task 'cheeta_run' (did you mean 'cheetah_run'?)"),
+        (["trainer.devics=2"], "did you mean 'devices'?"),
+        (["trainer.logger=false"], "set by pixelsac itself"),
+        (["preset=tinny"], "unknown preset 'tinny' (did you mean 'tiny'?)"),
+        (["batch_size"], "expected key=value"),
+        (["agent=3"], "agent is a group of keys"),
+        (["nope.x=1"], "unknown key 'nope.x'; top-level keys:"),
+        (["env.obs=depth"], "env.obs='depth'; choose one of pixels, state"),
+        (["seed=null"], "seed cannot be null"),
+    ],
+)
 def test_bad_input_is_one_clear_line(override, fragment):
     with pytest.raises(ConfigError) as info:
         load_config(override, valid_tasks=TASKS)

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import TINY
 from test_train_cli import REPO
 
@@ -16,11 +15,21 @@ DDP = ["trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu", "
 def run_ddp(tmp_path, *args: str, poison: int = -1, no_reduce: bool = False) -> tuple[dict, dict]:
     dump = tmp_path / "dump"
     dump.mkdir()
-    env = {**os.environ, "DUMP_DIR": str(dump), "POISON_UPDATE": str(poison), "NO_REDUCE": "1" if no_reduce else "0",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "ddp_check.py"), *TINY, *DDP, *args,
-                             f"run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=600)
+    env = {
+        **os.environ,
+        "DUMP_DIR": str(dump),
+        "POISON_UPDATE": str(poison),
+        "NO_REDUCE": "1" if no_reduce else "0",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+    }
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "ddp_check.py"), *TINY, *DDP, *args, f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("done:") == 1  # rank 0 speaks for the run
     return torch.load(dump / "rank0.pt"), torch.load(dump / "rank1.pt")

@@ -18,8 +18,8 @@ import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY
+
 from pixelsac import evaluate as ev
 from pixelsac import video
 from pixelsac.checkpoint import FORMAT_VERSION
@@ -44,9 +44,14 @@ def tiny_fp16_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Train the tiny run once per test session (shared with test_plot.py) and return its dir."""
     if "fp16" not in _TRAINED:
         run_dir = tmp_path_factory.mktemp("trained") / "tiny_fp16_s1"
-        result = subprocess.run([sys.executable, "-m", "pixelsac.train", *TINY_RUN, f"run_dir={run_dir}"],
-                                cwd=run_dir.parent, env=subprocess_env(), capture_output=True, text=True,
-                                timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-m", "pixelsac.train", *TINY_RUN, f"run_dir={run_dir}"],
+            cwd=run_dir.parent,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         _TRAINED["fp16"] = run_dir
     return _TRAINED["fp16"]
@@ -69,17 +74,31 @@ def eval_frames(run_dir: Path) -> set[int]:
 
 
 def files_under(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in folder.rglob("*")}
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
 
 # --- the command line, end to end ----------------------------------------------------------------
 @pytest.mark.slow
 def test_cli_evaluates_fp16_run_on_cpu_with_agent_view_video(run16, tmp_path):
     out_dir = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "pixelsac.evaluate", f"checkpoint={run16}", "episodes=2",
-                             "video=true", "agent_view=true", f"out_dir={out_dir}", "device=auto"],
-                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pixelsac.evaluate",
+            f"checkpoint={run16}",
+            "episodes=2",
+            "video=true",
+            "agent_view=true",
+            f"out_dir={out_dir}",
+            "device=auto",
+        ],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     print(result.stdout)  # the table, for the record (pytest -s)
     table = result.stdout.splitlines()
@@ -107,8 +126,14 @@ def test_cli_evaluates_fp16_run_on_cpu_with_agent_view_video(run16, tmp_path):
 
 
 def test_missing_checkpoint_exits_2_from_the_command_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "pixelsac.evaluate", "checkpoint=nope.ckpt"],
-                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "pixelsac.evaluate", "checkpoint=nope.ckpt"],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("error: checkpoint nope.ckpt does not exist")
@@ -132,19 +157,22 @@ def precision_variant(real_checkpoint: Path, precision: str, dest: Path) -> Path
     return dest
 
 
-@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16),
-                                             ("amp", torch.float32)])
+@pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("amp", torch.float32)])
 def test_every_precision_mode_evaluates_on_cpu(run16, tmp_path, precision, dtype):
     file = precision_variant(run16 / "checkpoints" / "last.ckpt", precision, tmp_path / f"{precision}.ckpt")
     checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     module = ev.load_agent(file, checkpoint, torch.device("cpu"))
     assert module.log_alpha.dtype == dtype
     lines: list[str] = []
-    evaluation = ev.evaluate(ev.parse_options([f"checkpoint={file}", "episodes=1", f"out_dir={tmp_path / 'out'}"]),
-                             out=lines.append)
+    evaluation = ev.evaluate(
+        ev.parse_options([f"checkpoint={file}", "episodes=1", f"out_dir={tmp_path / 'out'}"]), out=lines.append
+    )
     assert evaluation.results["precision"] == precision
     assert math.isfinite(evaluation.results["returns"][0])
-    assert (tmp_path / "out" / "results.json").is_file() and evaluation.videos == []
+    # no video flag: the first episode is filmed all the same
+    assert (tmp_path / "out" / "results.json").is_file()
+    assert evaluation.videos == [tmp_path / "out" / "episode_000.mp4"] and evaluation.videos[0].stat().st_size > 0
+    assert evaluation.results["videos"] == ["episode_000.mp4"]
     assert any(line.strip().startswith("mean") for line in lines)
 
 
@@ -163,8 +191,12 @@ def test_fp16_checkpoint_keeps_fp16_weights_on_cpu(run16):
 
 def test_default_out_dir_is_inside_the_run_and_prefer_last(run16, tmp_path):
     run_copy = shutil.copytree(run16, tmp_path / "run")
-    evaluation = ev.evaluate(ev.parse_options([f"checkpoint={run_copy}", "prefer=last", "episodes=1",
-                                               "video_episodes=all", "video_size=48"]), out=lambda line: None)
+    evaluation = ev.evaluate(
+        ev.parse_options(
+            [f"checkpoint={run_copy}", "prefer=last", "episodes=1", "video_episodes=all", "video_size=48"]
+        ),
+        out=lambda line: None,
+    )
     assert evaluation.out_dir.parent == run_copy / "eval"
     assert evaluation.out_dir.name.startswith("last-")
     assert evaluation.results["checkpoint"] == str((run_copy / "checkpoints" / "last.ckpt").resolve())
@@ -174,14 +206,17 @@ def test_default_out_dir_is_inside_the_run_and_prefer_last(run16, tmp_path):
 
 def test_sampled_evaluation_repeats_with_its_seed(run16, tmp_path):
     def returns(name: str) -> list[float]:
-        options = ev.parse_options([f"checkpoint={run16}", "episodes=2", "sample=true", "seed=7",
-                                    f"out_dir={tmp_path / name}"])
+        options = ev.parse_options(
+            [f"checkpoint={run16}", "episodes=2", "sample=true", "seed=7", f"out_dir={tmp_path / name}"]
+        )
         return ev.evaluate(options, out=lambda line: None).results["returns"]
 
     first = returns("a")
     assert returns("b") == first
-    deterministic = ev.evaluate(ev.parse_options([f"checkpoint={run16}", "episodes=2", "seed=7",
-                                                  f"out_dir={tmp_path / 'c'}"]), out=lambda line: None)
+    deterministic = ev.evaluate(
+        ev.parse_options([f"checkpoint={run16}", "episodes=2", "seed=7", f"out_dir={tmp_path / 'c'}"]),
+        out=lambda line: None,
+    )
     assert deterministic.results["sample"] is False and deterministic.results["returns"] != first
 
 
@@ -220,27 +255,38 @@ def _bad_checkpoint(kind: str, real: Path, folder: Path) -> Path:
     return folder / f"{kind}.ckpt"
 
 
-@pytest.mark.parametrize("kind,extra,message", [
-    ("missing", [], "missing.ckpt does not exist"),
-    ("text", [], "is not a readable checkpoint"),
-    ("truncated", [], "is not a readable checkpoint, or is truncated"),
-    ("empty_run_dir", [], "no checkpoint in"),
-    ("format", [], f"has checkpoint format {FORMAT_VERSION + 1}; this pixelsac reads formats 1 and {FORMAT_VERSION}"),
-    ("pickled", [], "holds pickled Python objects"),
-    ("nan", [], "holds non-finite weights"),
-    ("good", ["episods=3"], "unknown option 'episods' (did you mean 'episodes'?)"),
-    ("good", ["episodes=ten"], "episodes='ten' has the wrong type; it takes an integer"),
-    ("good", ["episodes=0"], "episodes=0 must be positive"),
-    ("good", ["video=yes please"], "video='yes please' has the wrong type; it takes true or false"),
-    ("good", ["episodes=2", "video_episodes=3"], "video_episodes [3] do not exist"),
-    ("good", ["video=false", "agent_view=true"], "video=false contradicts agent_view"),
-    ("good", ["prefer=newest"], "prefer='newest'; choose one of best, last"),
-    ("good", ["video=true", "video_size=100000"], "exceeds the offscreen buffer"),
-    ("good", ["device=tpu"], "device='tpu'; choose auto, cpu, cuda or cuda:N"),
-    pytest.param("good", ["device=cuda"], "torch sees no CUDA device",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
-    ("good", ["verbose"], "expected key=value"),
-])
+@pytest.mark.parametrize(
+    "kind,extra,message",
+    [
+        ("missing", [], "missing.ckpt does not exist"),
+        ("text", [], "is not a readable checkpoint"),
+        ("truncated", [], "is not a readable checkpoint, or is truncated"),
+        ("empty_run_dir", [], "no checkpoint in"),
+        (
+            "format",
+            [],
+            f"has checkpoint format {FORMAT_VERSION + 1}; this pixelsac reads formats 1 and {FORMAT_VERSION}",
+        ),
+        ("pickled", [], "holds pickled Python objects"),
+        ("nan", [], "holds non-finite weights"),
+        ("good", ["episods=3"], "unknown option 'episods' (did you mean 'episodes'?)"),
+        ("good", ["episodes=ten"], "episodes='ten' has the wrong type; it takes an integer"),
+        ("good", ["episodes=0"], "episodes=0 must be positive"),
+        ("good", ["video=yes please"], "video='yes please' has the wrong type; it takes true or false"),
+        ("good", ["episodes=2", "video_episodes=3"], "video_episodes [3] do not exist"),
+        ("good", ["video=false", "agent_view=true"], "video=false contradicts agent_view"),
+        ("good", ["prefer=newest"], "prefer='newest'; choose one of best, last"),
+        ("good", ["video=true", "video_size=100000"], "exceeds the offscreen buffer"),
+        ("good", ["device=tpu"], "device='tpu'; choose auto, cpu, cuda or cuda:N"),
+        pytest.param(
+            "good",
+            ["device=cuda"],
+            "torch sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
+        ("good", ["verbose"], "expected key=value"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(run16, tmp_path, capsys, kind, extra, message):
     real = shutil.copy(run16 / "checkpoints" / "best.ckpt", tmp_path / "good.ckpt")
     checkpoint = real if kind == "good" else _bad_checkpoint(kind, Path(real), tmp_path)
@@ -269,8 +315,10 @@ def test_missing_checkpoint_option_and_help(capsys):
 
 def test_pickled_checkpoint_loads_when_trusted(run16, tmp_path):
     file = _bad_checkpoint("pickled", run16 / "checkpoints" / "best.ckpt", tmp_path)
-    evaluation = ev.evaluate(ev.parse_options([f"checkpoint={file}", "trust_checkpoint=true", "episodes=1",
-                                               f"out_dir={tmp_path / 'out'}"]), out=lambda line: None)
+    evaluation = ev.evaluate(
+        ev.parse_options([f"checkpoint={file}", "trust_checkpoint=true", "episodes=1", f"out_dir={tmp_path / 'out'}"]),
+        out=lambda line: None,
+    )
     assert math.isfinite(evaluation.results["mean"])
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import TINY
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,8 +34,14 @@ GRID_OVERRIDES = [o for o in TINY if not o.startswith("task=")]
 
 def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
-    return subprocess.run([sys.executable, str(REPO / "tools" / "experiment.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "experiment.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -47,15 +52,30 @@ def read_csv(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
     out = tmp_path / "grid"
-    grid = ["--modes", "fp32,fp16-naive", "--tasks", "cartpole_swingup", "--seeds", "1,2", "--obs", "pixels",
-            "--jobs", "2", "--out", str(out)]
+    grid = [
+        "--modes",
+        "fp32,fp16-naive",
+        "--tasks",
+        "cartpole_swingup",
+        "--seeds",
+        "1,2",
+        "--obs",
+        "pixels",
+        "--jobs",
+        "2",
+        "--out",
+        str(out),
+    ]
     first = run_tool(*grid, *GRID_OVERRIDES, cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     state = json.loads((out / "grid.json").read_text())
     runs = state["runs"]
     assert {k: v["status"] for k, v in runs.items()} == {
-        "cartpole_swingup/fp32/s1": "done", "cartpole_swingup/fp32/s2": "done",
-        "cartpole_swingup/fp16-naive/s1": "failed", "cartpole_swingup/fp16-naive/s2": "failed"}
+        "cartpole_swingup/fp32/s1": "done",
+        "cartpole_swingup/fp32/s2": "done",
+        "cartpole_swingup/fp16-naive/s1": "failed",
+        "cartpole_swingup/fp16-naive/s2": "failed",
+    }
     assert runs["cartpole_swingup/fp16-naive/s1"]["returncode"] == 3
     assert state["spec"]["budget"] == 320 and state["spec"]["modes"] == ["fp32", "fp16-naive"]
     for seed in (1, 2):
@@ -141,8 +161,9 @@ def test_table_mean_std_iqm_and_failed_counting(tmp_path):
     # fp16-naive s1..s3 never ran; s1 failed at once
     fake_run(out / task / "fp16-naive" / "s1", [], [], failed_at=8)
     state = experiment.GridState(out)
-    rows = experiment.collect(out, [task], ["fp32", "fp16", "fp16-naive"], [1, 2, 3], [100, 200],
-                              ["--collect-only"], state, resamples=200)
+    rows = experiment.collect(
+        out, [task], ["fp32", "fp16", "fp16-naive"], [1, 2, 3], [100, 200], ["--collect-only"], state, resamples=200
+    )
     table = {(r.mode, r.budget): r for r in rows}
     fp32 = table[("fp32", 200)]
     assert (fp32.n, fp32.failed, fp32.missing, fp32.seeds) == (3, 0, 0, 3)
@@ -176,20 +197,35 @@ def test_value_at_interpolates_and_tolerates_action_repeat_rounding():
 
 
 def test_records_hold_commands_as_typed_in_the_repository():
-    command = [sys.executable, "-m", "pixelsac.train", "seed=2", f"run_dir={REPO / 'runs' / 'g' / 's2'}",
-               f"resume={REPO / 'runs' / 'g' / 's2'}", "run_dir=/elsewhere/s2"]
-    assert experiment.as_typed(command) == ("python -m pixelsac.train seed=2 run_dir=runs/g/s2 resume=runs/g/s2 "
-                                            "run_dir=/elsewhere/s2")
+    command = [
+        sys.executable,
+        "-m",
+        "pixelsac.train",
+        "seed=2",
+        f"run_dir={REPO / 'runs' / 'g' / 's2'}",
+        f"resume={REPO / 'runs' / 'g' / 's2'}",
+        "run_dir=/elsewhere/s2",
+    ]
+    assert experiment.as_typed(command) == (
+        "python -m pixelsac.train seed=2 run_dir=runs/g/s2 resume=runs/g/s2 run_dir=/elsewhere/s2"
+    )
     assert experiment.relative(REPO / "docs" / "results") == "docs/results"
 
 
 def test_modes_and_commands(tmp_path):
     assert experiment.parse_modes("main") == ["fp32", "fp16", "fp16-naive"]
     every = experiment.parse_modes("all")
-    assert len(every) == 11 and "amp" in every and "fp16-six" in every and "fp16-no-kahan_momentum" in every and "bf16" not in every
+    assert (
+        len(every) == 11
+        and "amp" in every
+        and "fp16-six" in every
+        and "fp16-no-kahan_momentum" in every
+        and "bf16" not in every
+    )
     assert experiment.MODES["fp16-no-hadam"] == ["precision=fp16", "lowp.hadam=false"]
-    specs = experiment.build_grid(["cartpole_swingup"], ["fp16-naive"], [4], "state",
-                                  ["preset=state", "train.env_frames=3000"], tmp_path)
+    specs = experiment.build_grid(
+        ["cartpole_swingup"], ["fp16-naive"], [4], "state", ["preset=state", "train.env_frames=3000"], tmp_path
+    )
     (spec,) = specs
     assert spec.budget == 3000 and spec.run_dir == tmp_path / "cartpole_swingup" / "fp16-naive" / "s4"
     args = spec.fresh_args()
@@ -199,17 +235,20 @@ def test_modes_and_commands(tmp_path):
     assert not any(a.startswith(("preset=", "env.", "precision=")) for a in resume)  # not resumable keys
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--modes", "fp16-no-hadm", "--tasks", "cartpole_swingup"], "did you mean 'fp16-no-hadam'"),
-    (["--tasks", "cartpole_swingup", "--seeds", "1,x"], "not a whole number"),
-    (["--tasks", "cartpole_swingup", "--jobs", "0"], "--jobs"),
-    (["--tasks", "cartpole_swingup", "agent.batchsize=3"], "unknown key 'agent.batchsize'"),
-    (["--tasks", "cheeta_run"], "unknown task 'cheeta_run'"),
-    (["--tasks", "cartpole_swingup", "seed=3"], "seed= is set by the grid"),
-    (["--tasks", "cartpole_swingup", "--bogus"], "unrecognized arguments"),
-    (["--collect-only"], "no grid.json"),
-    ([], "--tasks is required"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--modes", "fp16-no-hadm", "--tasks", "cartpole_swingup"], "did you mean 'fp16-no-hadam'"),
+        (["--tasks", "cartpole_swingup", "--seeds", "1,x"], "not a whole number"),
+        (["--tasks", "cartpole_swingup", "--jobs", "0"], "--jobs"),
+        (["--tasks", "cartpole_swingup", "agent.batchsize=3"], "unknown key 'agent.batchsize'"),
+        (["--tasks", "cheeta_run"], "unknown task 'cheeta_run'"),
+        (["--tasks", "cartpole_swingup", "seed=3"], "seed= is set by the grid"),
+        (["--tasks", "cartpole_swingup", "--bogus"], "unrecognized arguments"),
+        (["--collect-only"], "no grid.json"),
+        ([], "--tasks is required"),
+    ],
+)
 def test_bad_arguments_exit_2_in_one_line(tmp_path, capsys, args, message):
     out = tmp_path / "grid"
     assert experiment.main([*args, "--out", str(out)]) == 2
@@ -220,8 +259,23 @@ def test_bad_arguments_exit_2_in_one_line(tmp_path, capsys, args, message):
 
 def test_dry_run_prints_commands_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "grid"
-    assert experiment.main(["--modes", "main", "--tasks", "cartpole_swingup", "--seeds", "1,2", "--dry-run",
-                            "--out", str(out), *GRID_OVERRIDES]) == 0
+    assert (
+        experiment.main(
+            [
+                "--modes",
+                "main",
+                "--tasks",
+                "cartpole_swingup",
+                "--seeds",
+                "1,2",
+                "--dry-run",
+                "--out",
+                str(out),
+                *GRID_OVERRIDES,
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert printed.count("-m pixelsac.train") == 6 and "lowp.all=false" in printed
     assert "6 of 6 runs would train" in printed and not out.exists()

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_module import fit, make_batch, make_module, mode
 
 from pixelsac.config import load_config
 from pixelsac.graphs import UpdateGraphs, graph_conflicts
-from test_module import fit, make_batch, make_module, mode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,23 +81,27 @@ def test_logged_losses_are_copies_that_later_replays_do_not_change():
     assert torch.equal(module.metrics["critic_loss"], logged["critic_loss"])
 
 
-@pytest.mark.parametrize("overrides,device,world,message", [
-    ([], "cpu", 1, "needs a CUDA device"),
-    ([], "cuda", 2, "needs one device"),
-    (["perf.sync_free=false"], "cuda", 1, "needs perf.sync_free"),
-    (["precision=amp"], "cuda", 1, "AMP's GradScaler"),
-    (["lowp.hadam=false"], "cuda", 1, "needs hAdam when loss scaling is on"),
-    (["perf.aug_backend=kornia"], "cuda", 1, "perf.aug_backend=index"),
-    (["perf.compile=true", "perf.compile_mode=reduce-overhead"], "cuda", 1, "without CUDA graphs of its own"),
-])
+@pytest.mark.parametrize(
+    "overrides,device,world,message",
+    [
+        ([], "cpu", 1, "needs a CUDA device"),
+        ([], "cuda", 2, "needs one device"),
+        (["perf.sync_free=false"], "cuda", 1, "needs perf.sync_free"),
+        (["precision=amp"], "cuda", 1, "AMP's GradScaler"),
+        (["lowp.hadam=false"], "cuda", 1, "needs hAdam when loss scaling is on"),
+        (["perf.aug_backend=kornia"], "cuda", 1, "perf.aug_backend=index"),
+        (["perf.compile=true", "perf.compile_mode=reduce-overhead"], "cuda", 1, "without CUDA graphs of its own"),
+    ],
+)
 def test_configurations_that_cannot_be_captured_are_named(overrides, device, world, message):
     cfg = load_config(["precision=fp16", *overrides])
     conflict = graph_conflicts(cfg, device, world)
     assert conflict is not None and message in conflict, conflict
 
 
-@pytest.mark.parametrize("overrides", [["precision=fp16"], ["precision=bf16"], ["precision=fp32"],
-                                       ["precision=fp16", "lowp.all=false"]])
+@pytest.mark.parametrize(
+    "overrides", [["precision=fp16"], ["precision=bf16"], ["precision=fp32"], ["precision=fp16", "lowp.all=false"]]
+)
 def test_capturable_configurations_pass(overrides):
     assert graph_conflicts(load_config(overrides), "cuda", 1) is None
 
@@ -106,16 +110,28 @@ def test_cuda_graphs_on_a_cpu_is_one_error_line(tmp_path):
     from conftest import TINY
 
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "pixelsac.train", *TINY, "perf.cuda_graphs=true",
-                             "trainer.accelerator=cpu", f"run_dir={run_dir}"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pixelsac.train",
+            *TINY,
+            "perf.cuda_graphs=true",
+            "trainer.accelerator=cpu",
+            f"run_dir={run_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and "perf.cuda_graphs needs a CUDA device" in lines[-1], lines
     assert not run_dir.exists()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp16", "fp32"])
 def test_real_cuda_graphs_equal_eager_updates_on_a_gpu(precision):
     """Same seed, same batches: replayed graphs and eager sync-free updates agree to rounding
@@ -125,10 +141,21 @@ def test_real_cuda_graphs_equal_eager_updates_on_a_gpu(precision):
 
     def run(graphs: bool):
         torch.manual_seed(0)
-        module = make_module(f"precision={precision}", *SYNC_FREE, f"perf.cuda_graphs={str(graphs).lower()}",
-                             "perf.graph_warmup_updates=2")
-        trainer = L.Trainer(accelerator="cuda", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
+        module = make_module(
+            f"precision={precision}",
+            *SYNC_FREE,
+            f"perf.cuda_graphs={str(graphs).lower()}",
+            "perf.graph_warmup_updates=2",
+        )
+        trainer = L.Trainer(
+            accelerator="cuda",
+            devices=1,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         trainer.fit(module, DataLoader([make_batch(seed=i) for i in range(14)], batch_size=None))
         return module
 

@@ -141,7 +141,7 @@ def test_buffers_are_readable_fp16_state_and_params_are_not_duplicated():
     assert all(torch.is_tensor(v) for v in state.values())  # no extra (non-tensor) state
     assert "critic_ema.scaled_params.0__weight" in keys
     assert "critic_ema.kahan_comp.2__bias" in keys
-    assert not any(k.startswith("critic_ema.") and "critic" in k[len("critic_ema."):] for k in keys)
+    assert not any(k.startswith("critic_ema.") and "critic" in k[len("critic_ema.") :] for k in keys)
     assert len(list(agent.parameters())) == 8  # critic + target only
     assert all(b.dtype == F16 for b in agent.critic_ema.buffers())
     for p, q in zip(agent.critic.parameters(), agent.critic_target.parameters()):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import time
 import weakref
 
 import pytest
@@ -74,13 +73,17 @@ def test_single_layer_matches_native_forward_and_float64_backward(name):
         differ = (n != e).double().mean().item()
         native_ulps = ((n.double() - r).abs() / fp16_ulp(r)).max().item()
         emulated_ulps = ((e.double() - r).abs() / fp16_ulp(r)).max().item()
-        print(f"{name} {label}: {differ:.1%} differ from native; max error vs float64 "
-              f"{native_ulps:.1f} ulp native, {emulated_ulps:.2f} ulp emulated")
+        print(
+            f"{name} {label}: {differ:.1%} differ from native; max error vs float64 "
+            f"{native_ulps:.1f} ulp native, {emulated_ulps:.2f} ulp emulated"
+        )
         # fp32 accumulation of fp16 products, rounded once: within an ulp of float64
         # (plus fp32's own accumulation error for outputs that nearly cancel).
         tol = fp16_ulp(r) + 1e-6 * r.abs().max()
         assert ((e.double() - r).abs() <= tol).all(), label
-        assert emulated_ulps <= native_ulps + 1e-9, label  # never worse than the CPU kernel
+        # never worse than the CPU kernel, beyond the half ulp of rounding once (the fp32 sum's
+        # order follows the thread count, so a value on a rounding boundary may land either side)
+        assert emulated_ulps <= max(native_ulps, 0.5) + 0.01, label
         if label == "output" or name == "linear":
             # Forward (and linear backward) kernels round once too: 1-2 ulp agreement.
             assert ((n.double() - e.double()).abs() <= 2 * fp16_ulp(r)).all(), label
@@ -98,7 +101,10 @@ def test_emulation_is_the_upcast_computation_bitwise():
     with fp32_accumulate():
         cases = {
             "conv2d": (F.conv2d(x, w, b, padding=1), F.conv2d(x.float(), w.float(), b.float(), padding=1)),
-            "conv1d": (F.conv1d(x[:, :, 0], w[:, :, 0], b), F.conv1d(x[:, :, 0].float(), w[:, :, 0].float(), b.float())),
+            "conv1d": (
+                F.conv1d(x[:, :, 0], w[:, :, 0], b),
+                F.conv1d(x[:, :, 0].float(), w[:, :, 0].float(), b.float()),
+            ),
             "linear": (F.linear(a, m.T), F.linear(a.float(), m.T.float())),
             "@": (a @ m, a.float() @ m.float()),
             "matmul": (torch.matmul(a, m), a.float() @ m.float()),
@@ -135,8 +141,12 @@ def test_fp32_inputs_are_untouched():
 def test_autograd_reaches_fp16_leaves_of_a_conv_stack():
     torch.manual_seed(4)
     net = nn.Sequential(
-        nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
-        nn.Flatten(), nn.Linear(8 * 7 * 7, 16),
+        nn.Conv2d(3, 8, 3, stride=2),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 7 * 7, 16),
     ).half()
     x = torch.randn(4, 3, 20, 20).half()
     grad_out = torch.randn(4, 16).half()
@@ -153,21 +163,8 @@ def test_autograd_reaches_fp16_leaves_of_a_conv_stack():
         assert emulated_err <= 1.25 * native_err + 1e-3, (emulated_err, native_err)
 
 
-def test_rough_speed_comparison_is_reported_not_asserted():
-    torch.manual_seed(5)
-    net = nn.Sequential(nn.Conv2d(9, 16, 3, stride=2), nn.ReLU(), nn.Conv2d(16, 16, 3)).half()
-    x = torch.rand(4, 9, 42, 42).half()
-
-    def timed(emulate: bool) -> float:
-        best = float("inf")
-        for _ in range(3):  # the first call of either pays one-off start-up costs
-            start = time.perf_counter()
-            forward_backward(net, x, torch.ones(4, 16, 18, 18).half(), emulate)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    native, emulated = timed(False), timed(True)
-    print(f"small conv stack fwd+bwd: native fp16 {native * 1e3:.0f} ms, emulated {emulated * 1e3:.0f} ms")
+# Speed is not a test's business: ``python -m pixelsac.bench`` times the emulation against the
+# CPU's native fp16 kernels side by side (modes fp16 and fp16-native).
 
 
 # --- what is saved for backward: fp16/bf16, as on a GPU, with the same values --------------------
@@ -191,8 +188,10 @@ OPS = {
     "linear, leading dims, no bias": (F.linear, [(2, 5, 16), (7, 16)]),
     "matmul 3-D @ 2-D": (torch.matmul, [(2, 5, 16), (16, 7)]),
     "matmul broadcast batch": (lambda a, b: a @ b, [(2, 1, 5, 16), (3, 16, 7)]),
-    "matmul, transposed batch (a reshape copies: kept in fp32)": (lambda a, b: a.transpose(0, 1) @ b,
-                                                                   [(5, 2, 16), (16, 7)]),
+    "matmul, transposed batch (a reshape copies: kept in fp32)": (
+        lambda a, b: a.transpose(0, 1) @ b,
+        [(5, 2, 16), (16, 7)],
+    ),
     "bmm": (torch.bmm, [(2, 5, 16), (2, 16, 7)]),
     "mm": (torch.mm, [(5, 16), (16, 7)]),
     "addmm": (lambda a, b, c: torch.addmm(c, a, b), [(5, 16), (16, 7), (5, 7)]),
@@ -278,8 +277,10 @@ def test_a_drq_encoder_saves_half_of_fp32s_bytes_for_backward():
     fp16 = _saved(encoder16, obs.half(), emulate=True)
     plain = _saved(encoder16, obs.half(), emulate=False)  # what the emulation saved before
     small = 4096  # bytes: LayerNorm's per-row statistics stay fp32 (mean and rstd, 8 rows here)
-    print(f"saved for backward: fp32 {fp32.activations:,} B, fp16 {fp16.activations:,} B "
-          f"({fp16.activations / fp32.activations:.3f}x), fp16 saving fp32 copies {plain.activations:,} B")
+    print(
+        f"saved for backward: fp32 {fp32.activations:,} B, fp16 {fp16.activations:,} B "
+        f"({fp16.activations / fp32.activations:.3f}x), fp16 saving fp32 copies {plain.activations:,} B"
+    )
     assert fp32.activations > 500_000
     assert fp16.activations <= 0.5 * fp32.activations + small
     assert set(fp16.by_dtype) <= {"float16", "float32"} and fp16.by_dtype.get("float32", 0) <= small

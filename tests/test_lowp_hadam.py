@@ -60,9 +60,7 @@ def test_hadam_equals_adam_with_mapped_eps_in_float64():
         sh, sa = hadam.state[ph], adam.state[pa]
         assert sh["step"] == 300 and isinstance(sh["step"], int)
         torch.testing.assert_close(sh["exp_avg"], sa["exp_avg"], rtol=1e-9, atol=0)
-        torch.testing.assert_close(
-            sh["exp_avg_root"], ROOT_FACTOR * sa["exp_avg_sq"].sqrt(), rtol=1e-6, atol=0
-        )
+        torch.testing.assert_close(sh["exp_avg_root"], ROOT_FACTOR * sa["exp_avg_sq"].sqrt(), rtol=1e-6, atol=0)
         assert "exp_avg_sq" not in sh
 
 
@@ -257,13 +255,17 @@ def test_zero_gradient_with_eps_that_rounds_to_zero_in_fp16_gives_no_nan():
 @pytest.mark.parametrize("unbiased", [False, True], ids=["published", "unbiased"])
 def test_hadam_state_dict_round_trip_is_bitwise(unbiased):
     gen = torch.Generator().manual_seed(3)
-    grads = [[torch.randn(4, 3, generator=gen).half(), torch.randn(3, generator=gen).half()]
-             for _ in range(20)]
+    grads = [[torch.randn(4, 3, generator=gen).half(), torch.randn(3, generator=gen).half()] for _ in range(20)]
     init = [torch.randn(4, 3, generator=gen).half(), torch.randn(3, generator=gen).half()]
 
     def make(params):
-        return HAdam([{"params": params[:1], "kahan": True}, {"params": params[1:]}],
-                     lr=1e-3, eps=1e-4, unbiased_moments=unbiased, seed=4)
+        return HAdam(
+            [{"params": params[:1], "kahan": True}, {"params": params[1:]}],
+            lr=1e-3,
+            eps=1e-4,
+            unbiased_moments=unbiased,
+            seed=4,
+        )
 
     params = [p.clone().requires_grad_() for p in init]
     opt = make(params)
@@ -334,7 +336,10 @@ def test_kahan_adam_state_is_in_param_dtype_and_round_trips():
     state = opt.state[p]
     assert state["step"] == 1 and isinstance(state["step"], int)
     assert {k: v.dtype for k, v in state.items() if k != "step"} == {
-        "exp_avg": F16, "exp_avg_sq": F16, "kahan_comp": F16}
+        "exp_avg": F16,
+        "exp_avg_sq": F16,
+        "kahan_comp": F16,
+    }
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)

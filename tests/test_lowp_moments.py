@@ -197,8 +197,12 @@ def test_unbiased_step_is_deterministic_and_resumes_bitwise():
                 weights = param.detach().clone()
                 param = weights.clone().requires_grad_()
                 opt = HAdam([param], lr=1e-3, eps=1e-8, unbiased_moments=True, seed=11)
-                opt.load_state_dict({"state": {0: {**saved, "step": saved_step}},
-                                     "param_groups": [{**opt.state_dict()["param_groups"][0]}]})
+                opt.load_state_dict(
+                    {
+                        "state": {0: {**saved, "step": saved_step}},
+                        "param_groups": [{**opt.state_dict()["param_groups"][0]}],
+                    }
+                )
             param.grad = torch.randn(50, generator=gen).to(BF16)
             opt.step()
         return param.detach(), opt.state[param]
@@ -225,8 +229,16 @@ def test_unbiased_step_is_the_same_whatever_the_packing(dtype, kahan, capturable
         params = [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
         params[0] = params[0].to(memory_format=torch.channels_last)
         params = [p.requires_grad_() for p in params]
-        opt = HAdam(params, lr=1e-3, eps=1e-4, kahan=kahan, capturable=capturable, unbiased_moments=True,
-                    seed=5, chunk_numel=chunk)
+        opt = HAdam(
+            params,
+            lr=1e-3,
+            eps=1e-4,
+            kahan=kahan,
+            capturable=capturable,
+            unbiased_moments=True,
+            seed=5,
+            chunk_numel=chunk,
+        )
         for step in range(6):
             for i, p in enumerate(params):
                 grad = (torch.randn(p.shape, generator=gen) * 50).to(dtype)
@@ -235,9 +247,11 @@ def test_unbiased_step_is_the_same_whatever_the_packing(dtype, kahan, capturable
                 opt.step(found_inf=torch.tensor(float(step == 3)))
             else:
                 opt.step()
-        results.append([p.detach().clone() for p in params]
-                       + [opt.state[p][k].clone() for p in params for k in ("exp_avg", "exp_avg_root")]
-                       + [torch.as_tensor(opt.state[p]["step"]).clone() for p in params])
+        results.append(
+            [p.detach().clone() for p in params]
+            + [opt.state[p][k].clone() for p in params for k in ("exp_avg", "exp_avg_root")]
+            + [torch.as_tensor(opt.state[p]["step"]).clone() for p in params]
+        )
     assert results[0][-3] != results[0][-1]  # the parameter without some gradients lags behind
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
@@ -248,7 +262,9 @@ def test_stochastic_rounding_of_several_streams_in_one_call_is_one_call_per_stre
     x = torch.randn(300, generator=gen)
     keys, parts = [mix_key(1, 2), mix_key(3, torch.tensor(4.0)), 2**32 - 1], [(0, 100), (100, 250), (250, 300)]
     counter = torch.cat([torch.arange(b - a) + 7 for a, b in parts])
-    per_element = torch.cat([torch.full((b - a,), int(k) & 0xFFFFFFFF, dtype=torch.int64) for k, (a, b) in zip(keys, parts)])
+    per_element = torch.cat(
+        [torch.full((b - a,), int(k) & 0xFFFFFFFF, dtype=torch.int64) for k, (a, b) in zip(keys, parts)]
+    )
     for dtype in (F16, BF16):
         together = stochastic_round(x, dtype, per_element, counter=counter)
         apart = torch.cat([stochastic_round(x[a:b], dtype, k, offset=7) for k, (a, b) in zip(keys, parts)])
@@ -258,6 +274,7 @@ def test_stochastic_rounding_of_several_streams_in_one_call_is_one_call_per_stre
 
 def test_random_bits_match_the_hash_written_in_exact_integers():
     """The wrapping int32 arithmetic equals lowbias32 computed on Python integers."""
+
     def lowbias32(v: int) -> int:
         v ^= v >> 16
         v = (v * 0x7FEB352D) & 0xFFFFFFFF
@@ -267,8 +284,9 @@ def test_random_bits_match_the_hash_written_in_exact_integers():
 
     for key in (0, 9, 2**31 + 5, 2**32 - 1):
         bits = random_bits(50, key, 13, "cpu", offset=2**20)
-        expected = [(lowbias32(lowbias32((i * 0x27D4EB2F + key) & 0xFFFFFFFF)) >> 8) & 0x1FFF
-                    for i in range(2**20, 2**20 + 50)]
+        expected = [
+            (lowbias32(lowbias32((i * 0x27D4EB2F + key) & 0xFFFFFFFF)) >> 8) & 0x1FFF for i in range(2**20, 2**20 + 50)
+        ]
         assert bits.tolist() == expected
 
 

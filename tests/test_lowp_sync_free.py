@@ -50,9 +50,11 @@ def test_the_counter_sees_host_reads():
 def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     # a matrix, a vector and a 0-dim tensor (like log_alpha: its own dtype-promotion corner)
-    return [torch.randn(4, 3, generator=gen).to(dtype).requires_grad_(),
-            torch.randn(5, generator=gen).to(dtype).requires_grad_(),
-            torch.tensor(-2.3, dtype=dtype).requires_grad_()]
+    return [
+        torch.randn(4, 3, generator=gen).to(dtype).requires_grad_(),
+        torch.randn(5, generator=gen).to(dtype).requires_grad_(),
+        torch.tensor(-2.3, dtype=dtype).requires_grad_(),
+    ]
 
 
 def _grads(step: int, params: list[torch.Tensor], scale: float = 1.0) -> list[torch.Tensor]:
@@ -167,8 +169,9 @@ def _scaled_run(sync_free: bool, overflow_at: set[int], steps: int, growth_inter
     scaler = CompoundLossScaler(init_scale=1024.0, growth_interval=growth_interval, sync_free=sync_free)
     history = []
     for step in range(steps):
-        loss = sum(((p.float() * g.float()).sum() for p, g in zip(params, _grads(step, params, 30.0))),
-                   torch.zeros(())).to(F16)
+        loss = sum(
+            ((p.float() * g.float()).sum() for p, g in zip(params, _grads(step, params, 30.0))), torch.zeros(())
+        ).to(F16)
         if step in overflow_at:
             loss = loss * 1e4  # loss·S and its gradients leave fp16's range
         for p in params:

@@ -1,7 +1,5 @@
 """The SAC module: one update on a synthetic batch, in each precision mode."""
 
-import copy
-
 import lightning as L
 import numpy as np
 import pytest
@@ -17,8 +15,17 @@ ACTION_DIM = 2
 
 
 def make_module(*overrides: str) -> SACModule:
-    cfg = load_config(["env.image_size=24", "agent.num_filters=4", "agent.feature_dim=8", "agent.hidden_dim=16",
-                       "agent.batch_size=4", "train.log_every_updates=1", *overrides])
+    cfg = load_config(
+        [
+            "env.image_size=24",
+            "agent.num_filters=4",
+            "agent.feature_dim=8",
+            "agent.hidden_dim=16",
+            "agent.batch_size=4",
+            "train.log_every_updates=1",
+            *overrides,
+        ]
+    )
     return SACModule(to_plain(cfg), OBS_SHAPE, ACTION_DIM)
 
 
@@ -51,8 +58,14 @@ def moved(module: SACModule, trainer: L.Trainer, before: dict[str, torch.Tensor]
 
 
 def fit(module: SACModule, batches: list[dict]) -> L.Trainer:
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(batches, batch_size=None))
     return trainer
 
@@ -66,7 +79,6 @@ def test_one_fp32_update_changes_every_parameter():
     module = make_module("precision=fp32")
     before = snapshot(module)
     fit(module, [make_batch()])
-    after = module.state_dict()
     assert module.updates == 1
     for name, value in module.named_parameters():
         assert not torch.equal(before[name], value), f"{name} did not change"
@@ -79,8 +91,11 @@ def test_updates_change_parameters_and_keep_losses_finite(precision, sync_free):
     at 65536) and a Kahan-compensated step smaller than half an ulp of log_alpha first lands in
     the compensation buffer -- both by design."""
     torch.manual_seed(0)
-    overrides = ["precision=amp", "lowp.normal_fix=true", "lowp.softplus_fix=true"] if precision == "amp+fixes" \
+    overrides = (
+        ["precision=amp", "lowp.normal_fix=true", "lowp.softplus_fix=true"]
+        if precision == "amp+fixes"
         else [f"precision={precision}"]
+    )
     module = make_module(*overrides, f"perf.sync_free={str(sync_free).lower()}")
     before = snapshot(module)
     trainer = fit(module, [make_batch(seed=i) for i in range(16)])
@@ -147,8 +162,9 @@ def test_act_is_bounded_and_deterministic_without_sampling():
 def test_update_uses_k_target_copies_m_q_copies_and_the_first_for_the_actor():
     """DrQ's schedule: K shifted copies of next_obs for the target, M of obs for the Q loss, and
     the actor on the critic's first copy of obs (DrQ's ``obs``), not on a fresh shift."""
-    module = make_module("precision=fp32", "agent.aug_target_copies=3", "agent.aug_q_copies=2",
-                         "agent.actor_update_every=1")
+    module = make_module(
+        "precision=fp32", "agent.aug_target_copies=3", "agent.aug_q_copies=2", "agent.actor_update_every=1"
+    )
     calls, actor_inputs = [], []
     real_copies, real_actor_loss = module.augment.copies, module.actor_and_alpha_loss
 
@@ -185,13 +201,18 @@ def test_sync_free_update_never_waits_for_the_device(precision):
         reads = HostReads()
 
         class Counted(SACModule):
+            reads_counter = reads  # bound now: the class is used within this iteration only
+
             def training_step(self, dataloader_iter):
-                with reads:
+                with self.reads_counter:
                     return super().training_step(dataloader_iter)
 
-        module = make_module(*mode(precision), "train.log_every_updates=1000",
-                             f"perf.sync_free={str(sync_free).lower()}",
-                             f"perf.aug_backend={'index' if sync_free else 'kornia'}")
+        module = make_module(
+            *mode(precision),
+            "train.log_every_updates=1000",
+            f"perf.sync_free={str(sync_free).lower()}",
+            f"perf.aug_backend={'index' if sync_free else 'kornia'}",
+        )
         module.__class__ = Counted
         fit(module, [make_batch(seed=i) for i in range(3)])
         assert module.updates == 3

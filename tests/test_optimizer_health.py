@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY
+from test_module import fit, make_batch, make_module
+
 from pixelsac.module import td_target
 from pixelsac.precision import NumericalFailure
-from test_module import fit, make_batch, make_module
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,11 +59,26 @@ def test_nonfinite_optimizer_state_is_named_by_loss_and_kind():
 @pytest.mark.slow
 def test_inf_optimizer_state_stops_a_tiny_run_with_exit_3(tmp_path):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "inject_inf_state.py"), *TINY, "precision=fp16",
-                             "train.eval_every_frames=100000", f"run_dir={run_dir}"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "inject_inf_state.py"),
+            *TINY,
+            "precision=fp16",
+            "train.eval_every_frames=100000",
+            f"run_dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 3, result.stderr[-2000:]
     line = result.stderr.strip().splitlines()[-1]
     assert "non-finite critic optimizer exp_avg_root after update" in line, line

@@ -9,7 +9,6 @@ import time
 import types
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
@@ -22,8 +21,13 @@ from pixelsac.precision import state_bytes
 
 OBS_SHAPE = (9, 24, 24)
 ACTION_DIM = 2
-TINY_AGENT = ["env.image_size=24", "agent.num_filters=4", "agent.feature_dim=8", "agent.hidden_dim=16",
-              "agent.batch_size=4"]
+TINY_AGENT = [
+    "env.image_size=24",
+    "agent.num_filters=4",
+    "agent.feature_dim=8",
+    "agent.hidden_dim=16",
+    "agent.batch_size=4",
+]
 FETCH_SECONDS = 1000.0  # what each fake env step "costs" on the stand-in clock
 
 
@@ -112,8 +116,15 @@ def test_time_updates_leaves_the_callers_random_stream_alone():
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    timed = perf.time_updates(to_plain(cfg), OBS_SHAPE, ACTION_DIM, perf.synthetic_batch(4, OBS_SHAPE, ACTION_DIM),
-                              torch.device("cpu"), updates=2, warmup=1)
+    timed = perf.time_updates(
+        to_plain(cfg),
+        OBS_SHAPE,
+        ACTION_DIM,
+        perf.synthetic_batch(4, OBS_SHAPE, ACTION_DIM),
+        torch.device("cpu"),
+        updates=2,
+        warmup=1,
+    )
     assert torch.equal(torch.rand(3), expected)
     assert len(timed.ms) == 2 and all(ms > 0 for ms in timed.ms)
     assert timed.finite_after_first and timed.finite_at_end
@@ -121,19 +132,20 @@ def test_time_updates_leaves_the_callers_random_stream_alone():
     assert timed.state["total"] == timed.state["parameters"] + timed.state["optimizer"] + timed.state["target"]
     assert timed.saved.activations > 0 and timed.saved.by_dtype.keys() >= {"float32"}
     assert timed.tensor_peak_bytes >= timed.saved.peak_live_activations > 0
-    assert {kind: sum(groups.values()) for kind, groups in timed.state_groups.items()} == \
-        {k: v for k, v in timed.state.items() if k != "total"}
+    assert {kind: sum(groups.values()) for kind, groups in timed.state_groups.items()} == {
+        k: v for k, v in timed.state.items() if k != "total"
+    }
 
 
 def test_saved_tensor_meter_counts_each_storage_once_and_state_apart():
-    weight = torch.nn.Parameter(torch.randn(1000))                 # state: 4,000 B
-    x = torch.randn(1000, requires_grad=True)                       # 4,000 B
+    weight = torch.nn.Parameter(torch.randn(1000))  # state: 4,000 B
+    x = torch.randn(1000, requires_grad=True)  # 4,000 B
     meter = perf.SavedTensorMeter(state=[weight])
     with meter:
-        a = x.sin()                   # saves x
-        b = x[:500].cos()             # saves a view of x: the same storage
-        c = a * weight                # saves a (4,000 B, new) and the weight (state)
-        d = x.half().exp()            # saves its fp16 result (2,000 B)
+        a = x.sin()  # saves x
+        b = x[:500].cos()  # saves a view of x: the same storage
+        c = a * weight  # saves a (4,000 B, new) and the weight (state)
+        d = x.half().exp()  # saves its fp16 result (2,000 B)
     saved = meter.result()
     assert saved.activations == 4000 + 4000 + 2000 and saved.state == 4000 and saved.tensors == 5
     assert saved.by_dtype == {"float32": 8000, "float16": 2000}
@@ -141,7 +153,7 @@ def test_saved_tensor_meter_counts_each_storage_once_and_state_apart():
     (c.sum() + b.sum() + d.float().sum()).backward()  # frees every saved tensor ...
     assert meter._live == {} and meter._live_bytes == 0
     x2 = x.detach().clone().requires_grad_()
-    (((x2.sin() * weight).sum() + x2[:500].cos().sum() + x2.half().exp().float().sum())).backward()
+    ((x2.sin() * weight).sum() + x2[:500].cos().sum() + x2.half().exp().float().sum()).backward()
     assert torch.equal(x.grad, x2.grad)  # ... and the hooks changed no value
     with meter:
         e = x.sin()  # x is still alive: the same storage, not counted again
@@ -155,7 +167,7 @@ def test_saved_tensor_meter_lets_a_dropped_graph_go():
     x = torch.randn(1000, requires_grad=True)
     meter = perf.SavedTensorMeter()
     with meter:
-        y = torch.relu(x * 2).tanh().detach()   # relu and tanh save their outputs
+        y = torch.relu(x * 2).tanh().detach()  # relu and tanh save their outputs
     gc.collect()
     assert meter.result().activations == 8000 and meter._live == {} and y.shape == x.shape
 
@@ -204,12 +216,12 @@ def test_state_groups_follow_what_the_module_and_optimizers_hold():
 def test_tensor_peak_meter_sees_what_an_update_allocates():
     x = torch.randn(1000)
     with perf.TensorPeakMeter() as meter:
-        a = x * 2                        # 4,000 B, alive
-        b = (a * 3).sum()                # 4,000 B alive until the sum (4 B) has run
-        a.mul_(2)                        # in place: nothing new
-        view = a[:10]                    # a view: nothing new
-        del a, view                      # freed
-        c = torch.empty(500)             # 2,000 B
+        a = x * 2  # 4,000 B, alive
+        b = (a * 3).sum()  # 4,000 B alive until the sum (4 B) has run
+        a.mul_(2)  # in place: nothing new
+        view = a[:10]  # a view: nothing new
+        del a, view  # freed
+        c = torch.empty(500)  # 2,000 B
     assert meter.peak == 4000 + 4000 + 4
     assert meter._bytes == 4 + 2000 and b.numel() == 1 and c.numel() == 500
 
@@ -227,29 +239,76 @@ def test_fp32_reference_config_resets_every_switch():
     cfg = to_plain(load_config(["precision=fp16", "lowp.hadam=true", "lowp.all=true", "lowp.fp32_accumulate=true"]))
     reference = perf.fp32_reference_config(cfg)
     assert reference["precision"] == "fp32"
-    assert all(reference["lowp"][k] is None for k in ("all", "hadam", "loss_scaling", "kahan_gradients",
-                                                      "kahan_momentum", "softplus_fix", "normal_fix", "fp32_accumulate"))
+    assert all(
+        reference["lowp"][k] is None
+        for k in (
+            "all",
+            "hadam",
+            "loss_scaling",
+            "kahan_gradients",
+            "kahan_momentum",
+            "softplus_fix",
+            "normal_fix",
+            "fp32_accumulate",
+        )
+    )
     assert cfg["precision"] == "fp16" and cfg["lowp"]["hadam"] is True  # the run's own config is untouched
 
 
 def test_summary_ratios_come_from_the_measured_values():
-    fp32 = perf.Fp32Reference(ms_per_update=30.0, ms_std=1.0, updates=3, warmup=1,
-                              state={"parameters": 400, "optimizer": 800, "target": 400, "total": 1600},
-                              peak_bytes=8000, seconds=1.0)
+    fp32 = perf.Fp32Reference(
+        ms_per_update=30.0,
+        ms_std=1.0,
+        updates=3,
+        warmup=1,
+        state={"parameters": 400, "optimizer": 800, "target": 400, "total": 1600},
+        peak_bytes=8000,
+        seconds=1.0,
+    )
     summary = perf.build_summary(
-        precision="fp16", device="cuda:0", batch_size=512, env_frames=1000, agent_steps=250, updates=200,
-        wall_s=4.0, ms=[10.0, 14.0], peak_bytes=5000, peak_kind="cuda_max_allocated",
+        precision="fp16",
+        device="cuda:0",
+        batch_size=512,
+        env_frames=1000,
+        agent_steps=250,
+        updates=200,
+        wall_s=4.0,
+        ms=[10.0, 14.0],
+        peak_bytes=5000,
+        peak_kind="cuda_max_allocated",
         state={"parameters": 200, "optimizer": 500, "target": 300, "total": 1000},
-        loss_scales={"critic": 1e4}, skipped={"critic": 1}, best_eval_return=12.5, fp32=fp32)
+        loss_scales={"critic": 1e4},
+        skipped={"critic": 1},
+        best_eval_return=12.5,
+        fp32=fp32,
+    )
     assert summary["ms_per_update"] == 12.0
     assert summary["speedup_vs_fp32"] == pytest.approx(30.0 / 12.0)
     assert summary["memory_vs_fp32"] == pytest.approx(1000 / 1600)
     assert summary["peak_memory_vs_fp32"] == pytest.approx(5000 / 8000)
     assert summary["env_frames_per_s"] == 250.0 and summary["updates_per_s"] == 50.0
     # a CPU's process-wide RSS cannot be compared with the fp32 copy's: no peak ratio
-    cpu = perf.build_summary(**{**dict(precision="fp16", device="cpu", batch_size=4, env_frames=8, agent_steps=1,
-                                       updates=1, wall_s=1.0, ms=[5.0], peak_bytes=10, state=None, loss_scales={},
-                                       skipped={}, best_eval_return=None, fp32=fp32)}, peak_kind="rss_high_water")
+    cpu = perf.build_summary(
+        **{
+            **dict(
+                precision="fp16",
+                device="cpu",
+                batch_size=4,
+                env_frames=8,
+                agent_steps=1,
+                updates=1,
+                wall_s=1.0,
+                ms=[5.0],
+                peak_bytes=10,
+                state=None,
+                loss_scales={},
+                skipped={},
+                best_eval_return=None,
+                fp32=fp32,
+            )
+        },
+        peak_kind="rss_high_water",
+    )
     assert cpu["peak_memory_vs_fp32"] is None and cpu["memory_vs_fp32"] is None
     assert "2.50x speed-up" in perf.format_summary(summary)
 
@@ -267,17 +326,24 @@ class StopAt(L.Callback):
 
 def _fit_tracked(tmp_path, monkeypatch, *overrides, extra_callbacks=()):
     clock = FakeClock()
-    monkeypatch.setattr(perf, "_now", clock)
-    cfg = load_config([*TINY_AGENT, "train.log_every_updates=2", "perf.calibrate_updates=2",
-                       "perf.warmup_updates=1", *overrides])
+    monkeypatch.setattr(perf.meters, "_now", clock)
+    cfg = load_config(
+        [*TINY_AGENT, "train.log_every_updates=2", "perf.calibrate_updates=2", "perf.warmup_updates=1", *overrides]
+    )
     torch.manual_seed(0)
     module = SACModule(to_plain(cfg), OBS_SHAPE, ACTION_DIM)
     collector = types.SimpleNamespace(env_frames=0, agent_steps=0)
     tracker = perf.PerfTracker(collector, tmp_path / "run", cfg)
     logger = RecordingLogger()
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=logger, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[tracker, *extra_callbacks])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tracker, *extra_callbacks],
+    )
     trainer.fit(module, DataLoader(FakeStream(collector, clock, batches=5), batch_size=None))
     return tracker, logger, module
 
@@ -288,18 +354,30 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
     intervals = [(step, m) for step, m in logger.rows if "perf/ms_per_update" in m]
     assert len(calibration) == 1 and calibration[0]["perf/fp32_ms_per_update"] > 0
     assert [step for step, _ in intervals] == [16, 32]  # every 2 updates, step = env frames then
-    named = {"perf/env_frames_per_s", "perf/updates_per_s", "perf/ms_per_update", "perf/peak_rss_mib",
-             "perf/state_bytes", "perf/state_bytes_parameters", "perf/state_bytes_optimizer",
-             "perf/state_bytes_target", "perf/speedup_vs_fp32", "perf/memory_vs_fp32",
-             "lowp/loss_scale_critic", "lowp/loss_scale_actor", "lowp/loss_scale_alpha",
-             "lowp/skipped_critic", "lowp/skipped_actor", "lowp/skipped_alpha", "env_frames", "updates",
-             "perf/saved_for_backward_bytes", "perf/saved_for_backward_vs_fp32", "perf/state_bytes_optimizer/exp_avg",
-             "perf/state_bytes_parameters/critic.trunk"}
+    named = {
+        "perf/env_frames_per_s",
+        "perf/updates_per_s",
+        "perf/ms_per_update",
+        "perf/peak_rss_mib",
+        "perf/state_bytes",
+        "perf/state_bytes_parameters",
+        "perf/state_bytes_optimizer",
+        "perf/state_bytes_target",
+        "perf/speedup_vs_fp32",
+        "perf/memory_vs_fp32",
+        "env_frames",
+        "updates",
+        "perf/saved_for_backward_bytes",
+        "perf/saved_for_backward_vs_fp32",
+        "perf/state_bytes_optimizer/exp_avg",
+        "perf/state_bytes_parameters/critic.trunk",
+    }
     fp32_ms, fp32_bytes = calibration[0]["perf/fp32_ms_per_update"], calibration[0]["perf/fp32_state_bytes"]
     for step, row in intervals:
         assert named <= set(row), named - set(row)
         assert any(key.startswith("perf/state_bytes_target/") for key in row)  # target copies by group
         assert row["env_frames"] == step
+        assert not any(key.startswith("lowp/") for key in row)  # the TrainingLogger's, logged once
         # collecting (a 1000 s jump of the stand-in clock per env step) is not part of an update
         assert 0 < row["perf/ms_per_update"] < FETCH_SECONDS * 1e3
         assert row["perf/speedup_vs_fp32"] == pytest.approx(fp32_ms / row["perf/ms_per_update"])
@@ -307,7 +385,8 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
         assert row["perf/memory_vs_fp32"] < 1  # fp16 + six holds fewer bytes than fp32 Adam, Kahan buffers included
         assert row["perf/peak_rss_mib"] > 0
         assert row["perf/saved_for_backward_vs_fp32"] == pytest.approx(
-            row["perf/saved_for_backward_bytes"] / calibration[0]["perf/fp32_saved_for_backward_bytes"])
+            row["perf/saved_for_backward_bytes"] / calibration[0]["perf/fp32_saved_for_backward_bytes"]
+        )
         assert row["perf/saved_for_backward_vs_fp32"] <= 0.55  # fp16 saves half of fp32's bytes
     assert module.updates == 5 and len(tracker._ms_all) == 4  # the first live update is warm-up
 
@@ -315,7 +394,9 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
     assert summary["updates"] == 5 and summary["env_frames"] == 40 and summary["timed_updates"] == 4
     assert summary["ms_per_update"] == pytest.approx(sum(tracker._ms_all) / 4)
     assert summary["speedup_vs_fp32"] == pytest.approx(summary["fp32"]["ms_per_update"] / summary["ms_per_update"])
-    assert summary["memory_vs_fp32"] == pytest.approx(summary["state_bytes"]["total"] / summary["fp32"]["state"]["total"])
+    assert summary["memory_vs_fp32"] == pytest.approx(
+        summary["state_bytes"]["total"] / summary["fp32"]["state"]["total"]
+    )
     assert summary["peak_memory_kind"].startswith("rss_high_water") and summary["peak_memory_bytes"] > 0
     assert set(summary["loss_scales"]) == set(summary["skipped"]) == {"critic", "actor", "alpha"}
     assert summary["best_eval_return"] is None  # no Evaluator in this fit
@@ -323,14 +404,28 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
     assert saved["activations"] > 0 and saved["by_dtype"].get("float32", 0) < saved["by_dtype"]["float16"]
     assert summary["saved_for_backward_vs_fp32"] == pytest.approx(saved["activations"] / fp32_saved["activations"])
     groups, fp32_groups = summary["state_groups"], summary["fp32"]["state_groups"]
-    assert {k: sum(g.values()) for k, g in groups.items()} == \
-        {k: v for k, v in summary["state_bytes"].items() if k != "total"}
-    assert summary["state_groups_vs_fp32"]["parameters"]["critic.trunk"] == pytest.approx(
-        groups["parameters"]["critic.trunk"] / fp32_groups["parameters"]["critic.trunk"]) == 0.5
+    assert {k: sum(g.values()) for k, g in groups.items()} == {
+        k: v for k, v in summary["state_bytes"].items() if k != "total"
+    }
+    assert (
+        summary["state_groups_vs_fp32"]["parameters"]["critic.trunk"]
+        == pytest.approx(groups["parameters"]["critic.trunk"] / fp32_groups["parameters"]["critic.trunk"])
+        == 0.5
+    )
     assert "exp_avg_sq" in fp32_groups["optimizer"] and set(summary["memory_figures"]) >= {"peak memory", "state"}
     markdown = (tmp_path / "run" / "summary.md").read_text()
-    for what in ("ms / update", "speed-up", "peak memory", "state bytes", "loss scales", "skipped steps",
-                 "state: optimizer", "saved for backward", "Memory figures", "saved_tensors_hooks"):
+    for what in (
+        "ms / update",
+        "speed-up",
+        "peak memory",
+        "state bytes",
+        "loss scales",
+        "skipped steps",
+        "state: optimizer",
+        "saved for backward",
+        "Memory figures",
+        "saved_tensors_hooks",
+    ):
         assert what in markdown
     printed = capsys.readouterr().out
     assert "perf summary:" in printed and "fp32 reference" in printed and "resident-set" in printed
@@ -348,8 +443,7 @@ def test_tracker_without_calibration_logs_no_ratio(tmp_path, monkeypatch):
 
 def test_a_run_that_stops_early_still_writes_its_summary(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stopped for the test"):
-        _fit_tracked(tmp_path, monkeypatch, "precision=fp32", "perf.calibrate_updates=0",
-                     extra_callbacks=[StopAt(3)])
+        _fit_tracked(tmp_path, monkeypatch, "precision=fp32", "perf.calibrate_updates=0", extra_callbacks=[StopAt(3)])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["updates"] == 3 and summary["stopped_by"] == "RuntimeError: stopped for the test"
     assert "stopped early" in (tmp_path / "run" / "summary.md").read_text()

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
 from test_evaluate import tiny_fp16_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,8 +41,16 @@ def base_config(run16) -> dict:
     return yaml.safe_load((run16 / "config.yaml").read_text())
 
 
-def make_run(folder: Path, base: dict, frames, returns, task: str | None = None, precision: str | None = None,
-             seed: int = 1, **lowp) -> Path:
+def make_run(
+    folder: Path,
+    base: dict,
+    frames,
+    returns,
+    task: str | None = None,
+    precision: str | None = None,
+    seed: int = 1,
+    **lowp,
+) -> Path:
     """A run directory as training writes it: config.yaml, and metrics.csv in the CSV logger's
     layout (eval rows interleaved with training rows that leave eval/return empty)."""
     config = {**base, "seed": seed, "lowp": {**base["lowp"], **lowp}}
@@ -63,8 +70,9 @@ def make_run(folder: Path, base: dict, frames, returns, task: str | None = None,
 
 def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
-    return subprocess.run([str(REPO / "tools" / "plot"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [str(REPO / "tools" / "plot"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 # --- end to end --------------------------------------------------------------------------------------
@@ -89,22 +97,33 @@ def test_wrapper_plots_a_real_run_beside_a_second_run(run16, base_config, tmp_pa
 
 
 # --- grouping and labels ------------------------------------------------------------------------------
-@pytest.mark.parametrize("precision,lowp,obs,label", [
-    ("fp32", {}, "pixels", "fp32"),
-    ("fp16", {}, "pixels", "fp16"),
-    ("fp16", {"all": False}, "pixels", "fp16 naive"),
-    ("fp16", {"hadam": False}, "pixels", "fp16 -hadam"),
-    ("fp16", {"hadam": False, "normal_fix": False}, "pixels", "fp16 -hadam -normal_fix"),
-    ("fp16", {"all": False, "loss_scaling": True}, "pixels",
-     "fp16 -hadam -kahan_gradients -kahan_momentum -softplus_fix -normal_fix"),
-    ("bf16", {}, "pixels", "bf16"),
-    ("bf16", {"loss_scaling": True}, "pixels", "bf16 +loss_scaling"),
-    ("amp", {}, "pixels", "amp"),
-    ("fp32", {}, "state", "fp32 (state)"),
-])
+@pytest.mark.parametrize(
+    "precision,lowp,obs,label",
+    [
+        ("fp32", {}, "pixels", "fp32"),
+        ("fp16", {}, "pixels", "fp16"),
+        ("fp16", {"all": False}, "pixels", "fp16 naive"),
+        ("fp16", {"hadam": False}, "pixels", "fp16 -hadam"),
+        ("fp16", {"hadam": False, "normal_fix": False}, "pixels", "fp16 -hadam -normal_fix"),
+        (
+            "fp16",
+            {"all": False, "loss_scaling": True},
+            "pixels",
+            "fp16 -hadam -kahan_gradients -kahan_momentum -softplus_fix -normal_fix",
+        ),
+        ("bf16", {}, "pixels", "bf16"),
+        ("bf16", {"loss_scaling": True}, "pixels", "bf16 +loss_scaling"),
+        ("amp", {}, "pixels", "amp"),
+        ("fp32", {}, "state", "fp32 (state)"),
+    ],
+)
 def test_precision_labels(base_config, precision, lowp, obs, label):
-    config = {**base_config, "precision": precision, "lowp": {**base_config["lowp"], **lowp},
-              "env": {**base_config["env"], "obs": obs}}
+    config = {
+        **base_config,
+        "precision": precision,
+        "lowp": {**base_config["lowp"], **lowp},
+        "env": {**base_config["env"], "obs": obs},
+    }
     assert plot.precision_label(config) == label
 
 
@@ -116,8 +135,7 @@ def test_runs_grouped_by_task_and_label_on_a_common_grid(base_config, tmp_path):
     make_run(runs_dir / "d", base_config, [10, 20], [7.0, 9.0], task="walker_walk", precision="fp32")
     runs = [plot.load_run(path) for path in plot.find_run_dirs([str(runs_dir)])]
     curves = {(c.task, c.label): c for c in plot.build_curves(runs, resamples=500)}
-    assert set(curves) == {("cartpole_swingup", "fp32"), ("cartpole_swingup", "fp16 naive"),
-                           ("walker_walk", "fp32")}
+    assert set(curves) == {("cartpole_swingup", "fp32"), ("cartpole_swingup", "fp16 naive"), ("walker_walk", "fp32")}
 
     fp32 = curves["cartpole_swingup", "fp32"]
     # only the frames both seeds reached, never extrapolated: 5..25
@@ -157,8 +175,9 @@ def test_bootstrap_band_is_reproducible_and_narrows_with_more_seeds():
 
 def test_cli_in_process_iqm_png_svg_table_and_reference(base_config, tmp_path, capsys):
     for seed, final in zip(range(1, 5), [700.0, 720.0, 740.0, 5.0]):
-        make_run(tmp_path / "runs" / f"s{seed}", base_config, [50_000, 100_000], [300.0, final],
-                 precision="fp32", seed=seed)
+        make_run(
+            tmp_path / "runs" / f"s{seed}", base_config, [50_000, 100_000], [300.0, final], precision="fp32", seed=seed
+        )
     out = tmp_path / "iqm.png"
     assert plot.main([str(tmp_path / "runs" / "*"), "--stat", "iqm", "--out", str(out)]) == 0
     assert out.is_file() and out.with_suffix(".svg").is_file()
@@ -170,14 +189,17 @@ def test_cli_in_process_iqm_png_svg_table_and_reference(base_config, tmp_path, c
 
 
 # --- missing or empty metrics: exit 2, nothing written ------------------------------------------------------
-@pytest.mark.parametrize("case,message", [
-    ("not_a_run", "holds no metrics.csv (not a run directory, nor a folder of runs)"),
-    ("no_metrics", "has no metrics.csv"),
-    ("no_eval_column", "has no eval/return column"),
-    ("no_eval_values", "has no eval/return values yet"),
-    ("no_config", "has no config.yaml"),
-    ("nothing_matches", "no run directory matches"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("not_a_run", "holds no metrics.csv (not a run directory, nor a folder of runs)"),
+        ("no_metrics", "has no metrics.csv"),
+        ("no_eval_column", "has no eval/return column"),
+        ("no_eval_values", "has no eval/return values yet"),
+        ("no_config", "has no config.yaml"),
+        ("nothing_matches", "no run directory matches"),
+    ],
+)
 def test_missing_or_empty_metrics_exit_2(base_config, tmp_path, capsys, case, message):
     run = tmp_path / "run"
     if case not in ("nothing_matches", "not_a_run"):

@@ -4,13 +4,18 @@ every low-precision state, and the memory the pure fp16 agent saves."""
 import lightning as L
 import pytest
 import torch
+from test_module import fit, make_batch, make_module
 from torch.utils.data import DataLoader
 
 from pixelsac.config import load_config, to_plain
 from pixelsac.module import SACModule
-from pixelsac.precision import NumericalFailure
-from pixelsac.precision import SIX, PrecisionPolicy, materialize_optimizer_state, state_bytes
-from test_module import fit, make_batch, make_module
+from pixelsac.precision import (
+    SIX,
+    NumericalFailure,
+    PrecisionPolicy,
+    materialize_optimizer_state,
+    state_bytes,
+)
 
 LR = 1e-3
 
@@ -27,7 +32,10 @@ def test_modes_and_switches():
     assert bf16.param_dtype == torch.bfloat16 and not bf16.loss_scaling and bf16.hadam and bf16.kahan_momentum
     ablation = policy("precision=fp16", "lowp.kahan_momentum=false")
     assert not ablation.kahan_momentum and ablation.hadam and ablation.loss_scaling
-    assert policy("precision=fp16").adam_eps == 1e-4 and policy("precision=fp16", "lowp.loss_scaling=false").adam_eps == 1e-8
+    assert (
+        policy("precision=fp16").adam_eps == 1e-4
+        and policy("precision=fp16", "lowp.loss_scaling=false").adam_eps == 1e-8
+    )
     assert policy("precision=fp16").fp32_accumulate and not policy("precision=fp16", device="cuda").fp32_accumulate
     assert not policy("precision=fp16", "lowp.fp32_accumulate=false").fp32_accumulate
     assert policy("precision=amp").param_dtype == torch.float32
@@ -69,7 +77,7 @@ def test_one_update_fp16_six_matches_fp32():
         p16 = params16[name]
         value = p16.float() - (comps[p16].float() if p16 in comps else 0.0)
         diff = (value - p32.detach()).abs()
-        ulp = torch.finfo(torch.float16).eps * p16.float().abs().clamp(min=2 ** -14)
+        ulp = torch.finfo(torch.float16).eps * p16.float().abs().clamp(min=2**-14)
         assert (diff <= 2 * LR + ulp).all(), name
         within += int((diff <= ulp).sum())
         total += diff.numel()
@@ -104,13 +112,23 @@ def test_checkpoint_round_trip_restores_scalers_optimizer_and_target_states(tmp_
     restored = SACModule.load_from_checkpoint(path, map_location="cpu", weights_only=False)
     for (name, a), b in zip(module.state_dict().items(), restored.state_dict().values()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert any("scaled_params" in k for k in restored.state_dict()) and any("kahan_comp" in k for k in restored.state_dict())
+    assert any("scaled_params" in k for k in restored.state_dict()) and any(
+        "kahan_comp" in k for k in restored.state_dict()
+    )
     # scaler and optimizer states (with the Kahan buffers) come back through the Trainer
-    trainer2 = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer2 = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     fresh = make_module("precision=fp16", "lowp.init_scale=65504.0")
     trainer2.fit(fresh, DataLoader([], batch_size=None), ckpt_path=path, weights_only=False)
-    assert {n: s.state_dict() for n, s in fresh.scalers.items()} == {n: s.state_dict() for n, s in module.scalers.items()}
+    assert {n: s.state_dict() for n, s in fresh.scalers.items()} == {
+        n: s.state_dict() for n, s in module.scalers.items()
+    }
     assert fresh.updates == module.updates and fresh.skipped == module.skipped
     for opt_a, opt_b in zip(trainer.optimizers, trainer2.optimizers):
         sa, sb = opt_a.state_dict(), opt_b.state_dict()
@@ -128,8 +146,11 @@ def test_pure_fp16_state_of_the_full_drq_agent_vs_fp32():
     Kahan buffer: the target is derived, Kahan-gradients are stochastic rounding). Each saving
     is a switch, and without both the published layout is back at 0.74."""
     sizes = {}
-    for overrides in (["precision=fp32"], ["precision=fp16"],
-                      ["precision=fp16", "lowp.derived_target=false", "lowp.stochastic_weights=false"]):
+    for overrides in (
+        ["precision=fp32"],
+        ["precision=fp16"],
+        ["precision=fp16", "lowp.derived_target=false", "lowp.stochastic_weights=false"],
+    ):
         module = SACModule(to_plain(load_config(overrides)), (9, 84, 84), 6)
         optimizers = module.configure_optimizers()
         materialize_optimizer_state(optimizers)
@@ -177,3 +198,28 @@ def test_checkpoints_convert_between_a_stored_and_a_derived_target(updates):
     back.load_state_dict(derived.state_dict())
     for a, b in zip(stored.critic_target.parameters(), back.critic_target.parameters()):
         assert torch.equal(a, b)
+
+
+def test_tf32_only_when_asked_for_and_owned_by_the_policy():
+    """fp32 means IEEE fp32 on a GPU unless perf.tf32=true; the policy sets torch's global
+    switches both ways (a TF32 run earlier in the process does not leak into an fp32 one)."""
+    before = (
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+    try:
+        asked = PrecisionPolicy.from_config(load_config(["precision=fp32", "perf.tf32=true"]), "cuda")
+        plain = PrecisionPolicy.from_config(load_config(["precision=fp32"]), "cuda")
+        assert asked.tf32 and not plain.tf32
+        assert not PrecisionPolicy.from_config(load_config(["precision=fp32", "perf.tf32=true"]), "cpu").tf32
+        assert "TF32 tensor cores" in asked.describe() and "TF32 off" in plain.describe()
+        asked.apply_global_numerics()
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"
+        plain.apply_global_numerics()
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[1:]

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from pixelsac.config import ConfigError, load_config
-from pixelsac.replay import ReplayBuffer, ReplaySet
-from pixelsac.train import replay_placement
+from pixelsac.replay import ReplayBuffer, ReplaySet, replay_placement
 
 # (agent steps, ends by termination): one- and two-step episodes are shorter than a 3-frame stack,
 # so stacks are clamped at episode starts on both obs and next_obs.
@@ -45,8 +44,7 @@ def fill(buffers: list, shape: tuple[int, ...], dtype, rounds: int = 1, num_envs
                 for env in envs:
                     action = rng.uniform(-1, 1, size=ACTION_DIM)  # float64, cast on write
                     terminal = ends_terminal and step == length - 1
-                    call("add", env, action, float(rng.standard_normal()), terminal,
-                         random_frame(rng, shape, dtype))
+                    call("add", env, action, float(rng.standard_normal()), terminal, random_frame(rng, shape, dtype))
 
 
 def assert_same_batches(host, device_buffer, batch_size: int = 64, seeds=range(4)) -> None:
@@ -62,13 +60,16 @@ def assert_same_batches(host, device_buffer, batch_size: int = 64, seeds=range(4
             assert torch.equal(got[key], expected[key]), f"{key} differs for seed {seed}"
 
 
-@pytest.mark.parametrize("shape,dtype,stack,capacity,rounds", [
-    ((3, 6, 6), np.uint8, 3, 200, 1),     # pixels, no wrap-around
-    ((3, 6, 6), np.uint8, 3, 23, 3),      # pixels, the ring wraps several times
-    ((3, 6, 6), np.uint8, 1, 17, 2),      # one-frame stacks, wrapped
-    ((5,), np.float32, 3, 19, 2),         # state vectors, wrapped
-    ((5,), np.float32, 1, 200, 1),
-])
+@pytest.mark.parametrize(
+    "shape,dtype,stack,capacity,rounds",
+    [
+        ((3, 6, 6), np.uint8, 3, 200, 1),  # pixels, no wrap-around
+        ((3, 6, 6), np.uint8, 3, 23, 3),  # pixels, the ring wraps several times
+        ((3, 6, 6), np.uint8, 1, 17, 2),  # one-frame stacks, wrapped
+        ((5,), np.float32, 3, 19, 2),  # state vectors, wrapped
+        ((5,), np.float32, 1, 200, 1),
+    ],
+)
 def test_device_ring_samples_what_the_host_ring_samples(shape, dtype, stack, capacity, rounds):
     host = ReplayBuffer(capacity, shape, dtype, stack, ACTION_DIM)
     on_device = ReplayBuffer(capacity, shape, dtype, stack, ACTION_DIM, device="cpu")
@@ -89,8 +90,12 @@ def test_device_ring_matches_after_each_write():
         host.add_first(frame)
         on_device.add_first(frame)
         for step in range(length):
-            args = (rng.uniform(-1, 1, ACTION_DIM), float(rng.standard_normal()),
-                    ends_terminal and step == length - 1, random_frame(rng, shape, np.uint8))
+            args = (
+                rng.uniform(-1, 1, ACTION_DIM),
+                float(rng.standard_normal()),
+                ends_terminal and step == length - 1,
+                random_frame(rng, shape, np.uint8),
+            )
             host.add(*args)
             on_device.add(*args)
             assert_same_batches(host, on_device, batch_size=16, seeds=[episode * 100 + step])
@@ -150,8 +155,9 @@ def test_state_dict_round_trips_host_device_host(shape, dtype):
     on_device.load_state_dict(saved)
     from_device = on_device.state_dict()
     assert_same_state(saved, from_device)
-    assert all(not np.shares_memory(from_device[k].numpy(), on_device._frames.numpy())
-               for k in ("frames",))  # a copy, not a view of the live ring
+    assert all(
+        not np.shares_memory(from_device[k].numpy(), on_device._frames.numpy()) for k in ("frames",)
+    )  # a copy, not a view of the live ring
 
     back = ReplayBuffer(23, shape, dtype, 3, ACTION_DIM)
     back.load_state_dict(from_device)
@@ -200,6 +206,7 @@ def test_pin_memory_with_device_storage_is_refused():
 
 # ------------------------------------------------------------------ configuration
 
+
 @pytest.mark.parametrize("value", ["bogus", "gpu", "cuda:x", "cuda0"])
 def test_unknown_replay_device_is_one_line(value):
     with pytest.raises(ConfigError) as info:
@@ -218,8 +225,7 @@ def test_replay_settings_parse_and_default_to_null():
 
 
 def placement(device, pin, training: str):
-    cfg = SimpleNamespace(replay=SimpleNamespace(device=device, pin_memory=pin))
-    return replay_placement(cfg, torch.device(training))
+    return replay_placement(SimpleNamespace(device=device, pin_memory=pin), torch.device(training))
 
 
 def test_placement_defaults_and_auto():
@@ -232,12 +238,15 @@ def test_placement_defaults_and_auto():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a CPU-only torch")
-@pytest.mark.parametrize("device,pin,fragment", [
-    ("cuda", None, "replay.device=cuda needs a CUDA GPU"),
-    ("cuda:0", None, "replay.device=cuda:0 needs a CUDA GPU"),
-    (None, True, "replay.pin_memory=true needs CUDA"),
-    ("cpu", True, "replay.pin_memory=true applies to host replay"),
-])
+@pytest.mark.parametrize(
+    "device,pin,fragment",
+    [
+        ("cuda", None, "replay.device=cuda needs a CUDA GPU"),
+        ("cuda:0", None, "replay.device=cuda:0 needs a CUDA GPU"),
+        (None, True, "replay.pin_memory=true needs CUDA"),
+        ("cpu", True, "replay.pin_memory=true applies to host replay"),
+    ],
+)
 def test_placement_this_machine_cannot_give_is_one_line(device, pin, fragment):
     with pytest.raises(ConfigError) as info:
         placement(device, pin, "cpu")
@@ -246,7 +255,7 @@ def test_placement_this_machine_cannot_give_is_one_line(device, pin, fragment):
 
 # ------------------------------------------------------------------ CUDA (skipped without a GPU)
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda_only = pytest.mark.gpu
 
 
 @cuda_only

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY
 from test_train_cli import REPO, run_cli
 
@@ -57,9 +56,21 @@ def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path, precision):
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run_dir, marker = tmp_path / "run", tmp_path / "saving"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "kill_during_save.py"), str(marker),
-                             *TINY, "precision=fp32", f"train.env_frames={FULL}", f"run_dir={run_dir}"],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tests" / "kill_during_save.py"),
+            str(marker),
+            *TINY,
+            "precision=fp32",
+            f"train.env_frames={FULL}",
+            f"run_dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
@@ -79,7 +90,9 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
     final = weights(run_dir)
     assert final["callbacks"]["Checkpointer"]["collector"]["env_frames"] == FULL
     assert all(torch.isfinite(v).all() for v in final["state_dict"].values() if v.is_floating_point())
-    assert [p.name for p in (run_dir / "checkpoints").glob("replay-*.pt")] == [final["callbacks"]["Checkpointer"]["replay_file"]]
+    assert [p.name for p in (run_dir / "checkpoints").glob("replay-*.pt")] == [
+        final["callbacks"]["Checkpointer"]["replay_file"]
+    ]
 
 
 @pytest.mark.slow
@@ -88,7 +101,10 @@ def test_collapsed_loss_scale_stops_with_message_and_loadable_checkpoint(tmp_pat
     result = run_cli(*TINY, "precision=fp16", "safety.min_loss_scale=20000", f"run_dir={run_dir}", cwd=tmp_path)
     assert result.returncode == 3, result.stderr[-2000:]
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("error: training stopped: the ") and "loss scale collapsed below safety.min_loss_scale=20000" in line
+    assert (
+        line.startswith("error: training stopped: the ")
+        and "loss scale collapsed below safety.min_loss_scale=20000" in line
+    )
     assert "after update" in line and "at env frame" in line and "loss scales critic=" in line
     assert "last good checkpoint:" in line
     state = weights(run_dir)  # written at the failure (weights still finite), loads safely
@@ -98,6 +114,7 @@ def test_collapsed_loss_scale_stops_with_message_and_loadable_checkpoint(tmp_pat
 
 def test_nonfinite_weights_stop_the_run_and_are_never_checkpointed(tmp_path):
     from test_module import fit, make_batch, make_module
+
     from pixelsac.precision import NumericalFailure
 
     module = make_module("precision=fp32", "train.log_every_updates=1")
@@ -126,12 +143,15 @@ def test_injected_inf_gradient_skips_the_step_and_leaves_parameters_bitwise_unch
     assert module.loss_scales()["critic"] == 5000.0
 
 
-@pytest.mark.parametrize("args,message", [
-    (["resume=nowhere"], "checkpoint nowhere does not exist"),
-    (["resume=."], "no checkpoint in ."),
-    (["env.image_size=-3"], "env.image_size=-3 must be positive"),
-    (["replay.capacity=0"], "replay.capacity=0 must be positive"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["resume=nowhere"], "checkpoint nowhere does not exist"),
+        (["resume=."], "no checkpoint in ."),
+        (["env.image_size=-3"], "env.image_size=-3 must be positive"),
+        (["replay.capacity=0"], "replay.capacity=0 must be positive"),
+    ],
+)
 def test_bad_paths_and_sizes_exit_2_and_write_nothing(tmp_path, args, message):
     result = run_cli(*args, "run_dir=out", cwd=tmp_path)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-1000:]
@@ -140,8 +160,14 @@ def test_bad_paths_and_sizes_exit_2_and_write_nothing(tmp_path, args, message):
 
 def test_no_opengl_exits_2_with_what_to_install(tmp_path):
     env = {**os.environ, "MUJOCO_GL": "no-such-backend", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, "-m", "pixelsac.train", *TINY, "run_dir=out"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "pixelsac.train", *TINY, "run_dir=out"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "libegl1 libegl-mesa0 libgl1-mesa-dri" in result.stderr and "MUJOCO_GL=egl" in result.stderr
     assert list(tmp_path.iterdir()) == []
@@ -170,9 +196,14 @@ def test_pickled_objects_are_refused_unless_trusted(tmp_path):
     refused = run_cli(f"resume={run_dir}", cwd=tmp_path)
     assert refused.returncode == 2
     assert "holds pickled Python objects, which could run code when loaded; refusing" in refused.stderr
-    trusted = run_cli(f"resume={run_dir}", "trust_checkpoint=true", f"train.env_frames={HALF + 64}",
-                      "trainer.enable_progress_bar=false", cwd=tmp_path,
-                      extra_path=str(REPO / "tests"))
+    trusted = run_cli(
+        f"resume={run_dir}",
+        "trust_checkpoint=true",
+        f"train.env_frames={HALF + 64}",
+        "trainer.enable_progress_bar=false",
+        cwd=tmp_path,
+        extra_path=str(REPO / "tests"),
+    )
     assert trusted.returncode == 0, trusted.stderr[-2000:]
 
 
@@ -192,12 +223,15 @@ def test_target_copy_overflow_becomes_a_numerical_failure():
     """Kahan-momentum's K·θ overflow (|θ| > 6.55 at K = 1e4) stops the run like any other
     numerical failure, naming the parameter, instead of escaping as a raw FloatingPointError."""
     from test_module import fit, make_batch, make_module
+
     from pixelsac.precision import NumericalFailure
 
     module = make_module("precision=fp16")
     with torch.no_grad():
         module.critic.q1[0].weight[0, 0] = 8.0  # K·θ = 80000 > 65504
-    with pytest.raises(NumericalFailure, match=r"target update after update 0: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'"):
+    with pytest.raises(
+        NumericalFailure, match=r"target update after update 0: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'"
+    ):
         fit(module, [make_batch()])
 
 
@@ -205,11 +239,15 @@ def test_sync_free_target_copy_overflow_stops_at_the_next_health_check():
     """Sync-free updates do not read K·θ on the host; the health check (every log_every_updates)
     finds the overflowed copy, which stays non-finite, and stops the run with the same message."""
     from test_module import fit, make_batch, make_module
+
     from pixelsac.precision import NumericalFailure
 
     module = make_module("precision=fp16", "perf.sync_free=true", "train.log_every_updates=3")
     with torch.no_grad():
         module.critic.q1[0].weight[0, 0] = 8.0
-    with pytest.raises(NumericalFailure, match=r"target update before update 3: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'"):
+    with pytest.raises(
+        NumericalFailure,
+        match=r"target update before update 3: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'",
+    ):
         fit(module, [make_batch(seed=i) for i in range(6)])
     assert module.updates == 3

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY
 from test_train_cli import REPO
 
@@ -29,10 +28,20 @@ HELPER = REPO / "tests" / "stop_helper.py"
 
 
 def start(*args: str, cwd: Path, **hooks: str) -> subprocess.Popen:
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", **hooks}
-    return subprocess.Popen([sys.executable, str(HELPER), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+        **hooks,
+    }
+    return subprocess.Popen(
+        [sys.executable, str(HELPER), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -90,10 +99,15 @@ class FakeCollector(SimpleNamespace):
 def make_stopper(max_wait_steps: int = 500, max_wait_seconds: float = 60.0, to_boundary: int | None = 3):
     from pixelsac.stopping import StopOnSignal, StopRequest
 
-    collector = FakeCollector(agent_steps=20, num_envs=1, at_episode_boundary=to_boundary == 0,
-                              steps_to_episode_boundary=to_boundary)
+    collector = FakeCollector(
+        agent_steps=20, num_envs=1, at_episode_boundary=to_boundary == 0, steps_to_episode_boundary=to_boundary
+    )
     request = StopRequest()
-    return StopOnSignal(request, SimpleNamespace(), collector, None, max_wait_steps, max_wait_seconds), request, collector
+    return (
+        StopOnSignal(request, SimpleNamespace(), collector, None, max_wait_steps, max_wait_seconds),
+        request,
+        collector,
+    )
 
 
 def signal_now(request, name: str = "SIGTERM") -> None:
@@ -119,9 +133,11 @@ def test_a_near_boundary_is_waited_for_and_the_stop_is_exact():
 
 @pytest.mark.parametrize("setting", ["far", "second_signal", "no_time", "no_common_boundary"])
 def test_otherwise_the_stop_is_at_once_and_inexact(setting):
-    stopper, request, _ = make_stopper(max_wait_steps=2 if setting == "far" else 500,
-                                       max_wait_seconds=0.0 if setting == "no_time" else 60.0,
-                                       to_boundary=None if setting == "no_common_boundary" else 3)
+    stopper, request, _ = make_stopper(
+        max_wait_steps=2 if setting == "far" else 500,
+        max_wait_seconds=0.0 if setting == "no_time" else 60.0,
+        to_boundary=None if setting == "no_common_boundary" else 3,
+    )
     signal_now(request)
     request.save_now = setting == "second_signal"
     assert stopper.decide() and not stopper._exact
@@ -157,12 +173,15 @@ def test_collector_knows_how_far_the_episode_boundary_is():
         envs.close()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["stop.signals=SIGKILL"], "stop.signals: 'SIGKILL' cannot be caught; choose from SIGTERM, SIGINT, SIGUSR1"),
-    (["stop.signals=SIGTREM"], "stop.signals: 'SIGTREM' is not a stop signal (did you mean 'SIGTERM'?)"),
-    (["resume=auto"], "resume=auto needs run_dir=DIR"),
-    (["stop.max_wait_steps=-1"], "stop.max_wait_steps=-1 must be zero or more"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["stop.signals=SIGKILL"], "stop.signals: 'SIGKILL' cannot be caught; choose from SIGTERM, SIGINT, SIGUSR1"),
+        (["stop.signals=SIGTREM"], "stop.signals: 'SIGTREM' is not a stop signal (did you mean 'SIGTERM'?)"),
+        (["resume=auto"], "resume=auto needs run_dir=DIR"),
+        (["stop.max_wait_steps=-1"], "stop.max_wait_steps=-1 must be zero or more"),
+    ],
+)
 def test_bad_stop_and_resume_settings_exit_2_and_write_nothing(tmp_path, capsys, monkeypatch, args, message):
     from pixelsac.train import main
 
@@ -217,11 +236,17 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision,signame", [("fp32", "SIGTERM"), ("fp16", "SIGINT")])
-def test_signal_after_logged_updates_saves_them_and_resume_equals_uninterrupted(tmp_path, uninterrupted, capsys,
-                                                                                precision, signame):
+def test_signal_after_logged_updates_saves_them_and_resume_equals_uninterrupted(
+    tmp_path, uninterrupted, capsys, precision, signame
+):
     run_dir, mark = tmp_path / "run", tmp_path / "mark"
-    command = [*FAST, f"precision={precision}", f"run_dir={run_dir}", "resume=auto",  # a job script's one command
-               "stop.max_wait_seconds=120"]  # the boundary is 7 updates away: exact however loaded the machine
+    command = [
+        *FAST,
+        f"precision={precision}",
+        f"run_dir={run_dir}",
+        "resume=auto",  # a job script's one command
+        "stop.max_wait_seconds=120",
+    ]  # the boundary is 7 updates away: exact however loaded the machine
     # marked after update 9 (agent step 25): the stop lands at the boundary at step 32 (update 16), clear
     # of the checkpoint the evaluation at frame 160 asked for (written at step 24)
     proc = start(*command, cwd=tmp_path, MARK_FILE=str(mark), MARK_UPDATES="9", UPDATE_SLEEP="0.2")
@@ -245,8 +270,10 @@ def test_signal_after_logged_updates_saves_them_and_resume_equals_uninterrupted(
 
     resumed = run(*command, cwd=tmp_path)  # the same command again: resume=auto finds the checkpoint
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'} at env frame {collected(saved)['env_frames']}, " \
-           f"saved on {signame}" in resumed.stdout
+    assert (
+        f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'} at env frame {collected(saved)['env_frames']}, "
+        f"saved on {signame}" in resumed.stdout
+    )
     straight = uninterrupted(precision)
     assert_same_training_state(checkpoint(run_dir), checkpoint(straight))
     train_rows, eval_rows = logged(run_dir)
@@ -288,8 +315,10 @@ def test_signals_before_any_work_and_during_a_checkpoint_write(tmp_path):
     command = [*FAST, "precision=fp32", f"run_dir={once}", "resume=auto"]
     result = run(*command, cwd=tmp_path, SIGNAL_AT_SETUP="SIGTERM")
     assert result.returncode == EXIT_STOPPED, result.stderr[-3000:]
-    assert "stopped by SIGTERM after update 0 at env frame 0, before any new work: nothing to save (there is no " \
-           "checkpoint yet)" in result.stdout
+    assert (
+        "stopped by SIGTERM after update 0 at env frame 0, before any new work: nothing to save (there is no "
+        "checkpoint yet)" in result.stdout
+    )
     assert (once / "config.yaml").is_file() and not (once / "checkpoints" / "last.ckpt").exists()
 
     # the same command again starts afresh in what that attempt left; one signal while the checkpoint
@@ -297,14 +326,22 @@ def test_signals_before_any_work_and_during_a_checkpoint_write(tmp_path):
     # completes and is the stop's checkpoint
     result = run(*command, cwd=tmp_path, SIGNAL_DURING_SAVE="SIGTERM@1")
     assert result.returncode == EXIT_STOPPED, result.stderr[-3000:]
-    assert f"stopped by SIGTERM after update 8 at env frame 192: saved {once / 'checkpoints' / 'last.ckpt'}" \
-           in result.stdout
+    assert (
+        f"stopped by SIGTERM after update 8 at env frame 192: saved {once / 'checkpoints' / 'last.ckpt'}"
+        in result.stdout
+    )
     assert collected(checkpoint(once))["env_frames"] == 192 and collected(checkpoint(once))["at_episode_boundary"]
 
     # two while the next one (at 320) is written: exit at once, the one from 192 intact and loadable
     twice = tmp_path / "twice"
-    result = run(*FAST, "precision=fp32", "train.env_frames=640", f"run_dir={twice}", cwd=tmp_path,
-                 SIGNAL_DURING_SAVE="SIGINT@2x2")
+    result = run(
+        *FAST,
+        "precision=fp32",
+        "train.env_frames=640",
+        f"run_dir={twice}",
+        cwd=tmp_path,
+        SIGNAL_DURING_SAVE="SIGINT@2x2",
+    )
     assert result.returncode == 128 + signal.SIGINT, result.stderr[-3000:]
     assert "SIGINT again: exiting now with code 130" in result.stderr
     previous = checkpoint(twice)  # weights_only=True
@@ -331,8 +368,15 @@ def test_ddp_signal_to_one_rank_stops_both_at_the_same_update_and_both_resume(tm
     first.mkdir()
     second.mkdir()
     # rank 1 alone gets SIGTERM after its update 6; each rank has 160 frames = 20 steps, boundaries every 8
-    stopped = run(*FAST, *DDP, "precision=fp32", f"run_dir={run_dir}", cwd=tmp_path, DUMP_DIR=str(first),
-                  SELF_SIGNAL="SIGTERM@6@1")
+    stopped = run(
+        *FAST,
+        *DDP,
+        "precision=fp32",
+        f"run_dir={run_dir}",
+        cwd=tmp_path,
+        DUMP_DIR=str(first),
+        SELF_SIGNAL="SIGTERM@6@1",
+    )
     assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
     a, b, codes = rank_results(first)
     assert codes == [EXIT_STOPPED, EXIT_STOPPED]
@@ -344,8 +388,7 @@ def test_ddp_signal_to_one_rank_stops_both_at_the_same_update_and_both_resume(tm
     assert mine["ranks"][0]["collector"]["rng"] != mine["ranks"][1]["collector"]["rng"]  # each rank's own
     assert all((run_dir / "checkpoints" / r["replay_file"]).is_file() for r in mine["ranks"])
 
-    resumed = run(f"resume={run_dir}", *DDP, "trainer.enable_progress_bar=false", cwd=tmp_path,
-                  DUMP_DIR=str(second))
+    resumed = run(f"resume={run_dir}", *DDP, "trainer.enable_progress_bar=false", cwd=tmp_path, DUMP_DIR=str(second))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b, codes = rank_results(second)
     assert codes == [0, 0] and a["updates"] == b["updates"] == 12 and a["env_frames"] == 160

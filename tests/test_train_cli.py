@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY
 
 REPO = Path(__file__).resolve().parent.parent
@@ -16,8 +15,9 @@ REPO = Path(__file__).resolve().parent.parent
 def run_cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.CompletedProcess:
     path = str(REPO) if extra_path is None else f"{REPO}{os.pathsep}{extra_path}"
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": path}
-    return subprocess.run([sys.executable, "-m", "pixelsac.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "pixelsac.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.slow
@@ -30,8 +30,17 @@ def test_tiny_run_writes_logs_config_and_checkpoints(tmp_path):
     assert "cartpole_swingup" in (run_dir / "config.yaml").read_text()
     csv = (run_dir / "metrics.csv").read_text().splitlines()
     header = csv[0].split(",")
-    for column in ("env_frames", "agent_steps", "updates", "train/critic_loss", "train/actor_loss", "train/alpha",
-                   "train/entropy", "train/episode_return", "eval/return"):
+    for column in (
+        "env_frames",
+        "agent_steps",
+        "updates",
+        "train/critic_loss",
+        "train/actor_loss",
+        "train/alpha",
+        "train/entropy",
+        "train/episode_return",
+        "eval/return",
+    ):
         assert column in header, column
     assert len(csv) > 3
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
@@ -47,16 +56,22 @@ def test_tiny_run_writes_logs_config_and_checkpoints(tmp_path):
     assert sorted(p.name for p in (run_dir / "videos").iterdir()) == ["eval_000000160.mp4"]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
-    (["agent.batch_size=big"], "has the wrong type"),
-    (["agent.batch_size=0"], "must be positive"),
-    (["task=cheeta_run"], "unknown task 'cheeta_run' (did you mean 'cheetah_run'?)"),
-    (["precision=fp64"], "unknown precision"),
-    (["trainer.accelerator=tpu-nope"], "invalid trainer settings"),
-    (["task=cartpole_swingup", "train.env_frames=320", "train.seed_steps=40"], "train.env_frames=320 ends within the random seed phase (train.seed_steps=40 x action "
-                              "repeat 8 = 320 frames), so no update would run"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["agent.batchsize=3"], "unknown key 'agent.batchsize' (did you mean 'agent.batch_size'?)"),
+        (["agent.batch_size=big"], "has the wrong type"),
+        (["agent.batch_size=0"], "must be positive"),
+        (["task=cheeta_run"], "unknown task 'cheeta_run' (did you mean 'cheetah_run'?)"),
+        (["precision=fp64"], "unknown precision"),
+        (["trainer.accelerator=tpu-nope"], "invalid trainer settings"),
+        (
+            ["task=cartpole_swingup", "train.env_frames=320", "train.seed_steps=40"],
+            "train.env_frames=320 ends within the random seed phase (train.seed_steps=40 x action "
+            "repeat 8 = 320 frames), so no update would run",
+        ),
+    ],
+)
 def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, message):
     result = run_cli(*args, "run_dir=out", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]

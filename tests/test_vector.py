@@ -22,7 +22,7 @@ def test_workers_reproduce_in_process_envs_step_for_step(parallel):
     try:
         assert parallel.num_envs == 2 and parallel.obs_shape == serial.obs_shape == (9, 24, 24)
         rng = np.random.default_rng(0)
-        for episode in range(2):
+        for _episode in range(2):
             for a, b in zip(parallel.reset([0, 1]), serial.reset([0, 1])):
                 assert np.array_equal(a.obs, b.obs)
             for _ in range(5):
@@ -67,7 +67,9 @@ def test_a_worker_error_is_reported_with_its_message():
     envs = ParallelEnvs("cartpole_swingup", [0], **KWARGS)
     try:
         envs.reset([0])
-        with pytest.raises(EnvWorkerError, match=r"env worker 0 \(cartpole_swingup, seed 0\) failed: ValueError: .*1 action"):
+        with pytest.raises(
+            EnvWorkerError, match=r"env worker 0 \(cartpole_swingup, seed 0\) failed: ValueError: .*1 action"
+        ):
             envs.step(np.zeros((1, 3), np.float32))
     finally:
         envs.close()
@@ -88,7 +90,6 @@ def test_a_dead_worker_is_reported_not_waited_on():
 @pytest.mark.slow
 def test_training_with_two_env_workers(tmp_path):
     import torch
-
     from conftest import TINY
     from test_train_cli import run_cli
 

@@ -62,7 +62,7 @@ def _install_stand_ins() -> None:
     """Modules DrQ imports at module level but the update never uses."""
     hydra = types.ModuleType("hydra")
     hydra.utils = types.SimpleNamespace(instantiate=_instantiate)
-    hydra.main = lambda *args, **kwargs: (lambda fn: fn)
+    hydra.main = lambda *args, **kwargs: lambda fn: fn
     gym = types.ModuleType("gym")
     gym.Wrapper = object
     gym.spaces = types.SimpleNamespace(Box=object)
@@ -70,8 +70,13 @@ def _install_stand_ins() -> None:
     skimage_util = types.ModuleType("skimage.util")
     skimage_shape = types.ModuleType("skimage.util.shape")
     skimage_shape.view_as_windows = None
-    for name, module in (("hydra", hydra), ("gym", gym), ("skimage", skimage), ("skimage.util", skimage_util),
-                         ("skimage.util.shape", skimage_shape)):
+    for name, module in (
+        ("hydra", hydra),
+        ("gym", gym),
+        ("skimage", skimage),
+        ("skimage.util", skimage_util),
+        ("skimage.util.shape", skimage_shape),
+    ):
         sys.modules.setdefault(name, module)
 
 
@@ -79,8 +84,10 @@ def import_drq(checkout: Path) -> tuple[Any, Any]:
     """DrQ's ``drq`` and ``replay_buffer`` modules from a checkout."""
     missing = [name for name in ("drq.py", "utils.py", "replay_buffer.py") if not (checkout / name).is_file()]
     if missing:
-        raise SystemExit(f"error: {checkout} is not a denisyarats/drq checkout (missing {', '.join(missing)}); "
-                         "git clone https://github.com/denisyarats/drq and pass its folder")
+        raise SystemExit(
+            f"error: {checkout} is not a denisyarats/drq checkout (missing {', '.join(missing)}); "
+            "git clone https://github.com/denisyarats/drq and pass its folder"
+        )
     _install_stand_ins()
     sys.path.insert(0, str(checkout))
     return importlib.import_module("drq"), importlib.import_module("replay_buffer")
@@ -99,21 +106,39 @@ def make_drq_agent(drq: Any, batch_size: int, device: torch.device) -> Any:
     encoder = {"class": "drq.Encoder", "params": {"obs_shape": (STACK * 3, IMAGE, IMAGE), "feature_dim": 50}}
     head = {"encoder_cfg": encoder, "action_shape": (ACTION_DIM,), "hidden_dim": 1024, "hidden_depth": 2}
     return drq.DRQAgent(
-        obs_shape=(STACK * 3, IMAGE, IMAGE), action_shape=(ACTION_DIM,), action_range=(-1.0, 1.0), device=device,
-        encoder_cfg=encoder, critic_cfg={"class": "drq.Critic", "params": head},
+        obs_shape=(STACK * 3, IMAGE, IMAGE),
+        action_shape=(ACTION_DIM,),
+        action_range=(-1.0, 1.0),
+        device=device,
+        encoder_cfg=encoder,
+        critic_cfg={"class": "drq.Critic", "params": head},
         actor_cfg={"class": "drq.Actor", "params": {**head, "log_std_bounds": [-10, 2]}},
-        discount=0.99, init_temperature=0.1, lr=1e-3, actor_update_frequency=2, critic_tau=0.01,
-        critic_target_update_frequency=2, batch_size=batch_size)
+        discount=0.99,
+        init_temperature=0.1,
+        lr=1e-3,
+        actor_update_frequency=2,
+        critic_tau=0.01,
+        critic_target_update_frequency=2,
+        batch_size=batch_size,
+    )
 
 
 # --- this project ---------------------------------------------------------------------------
 def our_overrides(precision: str, batch_size: int, extra: list[str]) -> list[str]:
-    return ["task=cartpole_swingup", f"precision={precision}", f"agent.batch_size={batch_size}",
-            f"env.image_size={IMAGE}", f"env.frame_stack={STACK}", "train.log_every_updates=1000000000", *extra]
+    return [
+        "task=cartpole_swingup",
+        f"precision={precision}",
+        f"agent.batch_size={batch_size}",
+        f"env.image_size={IMAGE}",
+        f"env.frame_stack={STACK}",
+        "train.log_every_updates=1000000000",
+        *extra,
+    ]
 
 
-def make_our_agent(overrides: list[str], obs_shape: tuple[int, ...] = (STACK * 3, IMAGE, IMAGE),
-                   action_dim: int = ACTION_DIM) -> Any:
+def make_our_agent(
+    overrides: list[str], obs_shape: tuple[int, ...] = (STACK * 3, IMAGE, IMAGE), action_dim: int = ACTION_DIM
+) -> Any:
     """A SACModule set up as the Trainer would, driven through Lightning Fabric (one CPU process),
     so that several agents can take turns in one loop."""
     from lightning.fabric import Fabric
@@ -144,8 +169,12 @@ def random_replay(batch_size: int, seed: int) -> tuple[Any, np.random.Generator]
     replay = ReplaySet(1, 2 * batch_size + STACK + 2, (3, IMAGE, IMAGE), np.uint8, STACK, ACTION_DIM)
     replay.buffers[0].add_first(rng.integers(0, 256, (3, IMAGE, IMAGE), dtype=np.uint8))
     for _ in range(2 * batch_size):
-        replay.buffers[0].add(rng.uniform(-1, 1, ACTION_DIM).astype(np.float32), float(rng.uniform()), False,
-                              rng.integers(0, 256, (3, IMAGE, IMAGE), dtype=np.uint8))
+        replay.buffers[0].add(
+            rng.uniform(-1, 1, ACTION_DIM).astype(np.float32),
+            float(rng.uniform()),
+            False,
+            rng.integers(0, 256, (3, IMAGE, IMAGE), dtype=np.uint8),
+        )
     return replay, rng
 
 
@@ -154,8 +183,14 @@ def drq_replay(replay_module: Any, batch_size: int, seed: int) -> Any:
     buffer = replay_module.ReplayBuffer((STACK * 3, IMAGE, IMAGE), (ACTION_DIM,), 2 * batch_size, 4, "cpu")
     for _ in range(2 * batch_size):
         obs = rng.integers(0, 256, (STACK * 3, IMAGE, IMAGE), dtype=np.uint8)
-        buffer.add(obs, rng.uniform(-1, 1, ACTION_DIM), float(rng.uniform()),
-                   rng.integers(0, 256, (STACK * 3, IMAGE, IMAGE), dtype=np.uint8), False, False)
+        buffer.add(
+            obs,
+            rng.uniform(-1, 1, ACTION_DIM),
+            float(rng.uniform()),
+            rng.integers(0, 256, (STACK * 3, IMAGE, IMAGE), dtype=np.uint8),
+            False,
+            False,
+        )
     return buffer
 
 
@@ -163,29 +198,45 @@ def drq_replay(replay_module: Any, batch_size: int, seed: int) -> Any:
 def _pairs(ours: Any, theirs: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, our tensor, DrQ's tensor) for every weight both agents keep."""
     pairs = [("log_alpha", ours.log_alpha, theirs.log_alpha)]
-    for side, our_critic, drq_critic in (("critic", ours.critic, theirs.critic),
-                                         ("critic_target", ours.critic_target, theirs.critic_target)):
+    for side, our_critic, drq_critic in (
+        ("critic", ours.critic, theirs.critic),
+        ("critic_target", ours.critic_target, theirs.critic_target),
+    ):
         convs = [m for m in our_critic.trunk.convs if isinstance(m, torch.nn.Conv2d)]
         for i, conv in enumerate(convs):
-            pairs += [(f"{side}.conv{i}.weight", conv.weight, drq_critic.encoder.convs[i].weight),
-                      (f"{side}.conv{i}.bias", conv.bias, drq_critic.encoder.convs[i].bias)]
-        for ours_part, drq_part, name in ((our_critic.proj.net[0], drq_critic.encoder.head[0], "fc"),
-                                          (our_critic.proj.net[1], drq_critic.encoder.head[1], "ln")):
-            pairs += [(f"{side}.{name}.weight", ours_part.weight, drq_part.weight),
-                      (f"{side}.{name}.bias", ours_part.bias, drq_part.bias)]
+            pairs += [
+                (f"{side}.conv{i}.weight", conv.weight, drq_critic.encoder.convs[i].weight),
+                (f"{side}.conv{i}.bias", conv.bias, drq_critic.encoder.convs[i].bias),
+            ]
+        for ours_part, drq_part, name in (
+            (our_critic.proj.net[0], drq_critic.encoder.head[0], "fc"),
+            (our_critic.proj.net[1], drq_critic.encoder.head[1], "ln"),
+        ):
+            pairs += [
+                (f"{side}.{name}.weight", ours_part.weight, drq_part.weight),
+                (f"{side}.{name}.bias", ours_part.bias, drq_part.bias),
+            ]
         for q_ours, q_drq, q in ((our_critic.q1, drq_critic.Q1, "q1"), (our_critic.q2, drq_critic.Q2, "q2")):
             for i, layer in enumerate(q_ours):
                 if isinstance(layer, torch.nn.Linear):
-                    pairs += [(f"{side}.{q}.{i}.weight", layer.weight, q_drq[i].weight),
-                              (f"{side}.{q}.{i}.bias", layer.bias, q_drq[i].bias)]
-    for ours_part, drq_part, name in ((ours.actor.proj.net[0], theirs.actor.encoder.head[0], "fc"),
-                                      (ours.actor.proj.net[1], theirs.actor.encoder.head[1], "ln")):
-        pairs += [(f"actor.{name}.weight", ours_part.weight, drq_part.weight),
-                  (f"actor.{name}.bias", ours_part.bias, drq_part.bias)]
+                    pairs += [
+                        (f"{side}.{q}.{i}.weight", layer.weight, q_drq[i].weight),
+                        (f"{side}.{q}.{i}.bias", layer.bias, q_drq[i].bias),
+                    ]
+    for ours_part, drq_part, name in (
+        (ours.actor.proj.net[0], theirs.actor.encoder.head[0], "fc"),
+        (ours.actor.proj.net[1], theirs.actor.encoder.head[1], "ln"),
+    ):
+        pairs += [
+            (f"actor.{name}.weight", ours_part.weight, drq_part.weight),
+            (f"actor.{name}.bias", ours_part.bias, drq_part.bias),
+        ]
     for i, layer in enumerate(ours.actor.policy):
         if isinstance(layer, torch.nn.Linear):
-            pairs += [(f"actor.policy.{i}.weight", layer.weight, theirs.actor.trunk[i].weight),
-                      (f"actor.policy.{i}.bias", layer.bias, theirs.actor.trunk[i].bias)]
+            pairs += [
+                (f"actor.policy.{i}.weight", layer.weight, theirs.actor.trunk[i].weight),
+                (f"actor.policy.{i}.bias", layer.bias, theirs.actor.trunk[i].bias),
+            ]
     return pairs
 
 
@@ -198,8 +249,15 @@ class _FixedBatch:
     def sample(self, batch_size: int) -> tuple[torch.Tensor, ...]:
         b = self.batch
         obs, next_obs = b["obs"].double(), b["next_obs"].double()
-        return obs, b["action"].double(), b["reward"].double(), next_obs, b["not_terminal"].double(), \
-            obs.clone(), next_obs.clone()
+        return (
+            obs,
+            b["action"].double(),
+            b["reward"].double(),
+            next_obs,
+            b["not_terminal"].double(),
+            obs.clone(),
+            next_obs.clone(),
+        )
 
 
 def check_float64_agreement(drq: Any, batch_size: int, updates: int = 3) -> float:
@@ -211,11 +269,13 @@ def check_float64_agreement(drq: Any, batch_size: int, updates: int = 3) -> floa
     float64.param_dtype = property(lambda self: torch.float64)
     torch.manual_seed(0)
     theirs = make_drq_agent(drq, batch_size, torch.device("cpu"))
-    ours = make_our_agent(our_overrides("fp32", batch_size, ["agent.aug_pad=0", "perf.channels_last=false",
-                                                             "lowp.derived_target=false"]))
+    ours = make_our_agent(
+        our_overrides("fp32", batch_size, ["agent.aug_pad=0", "perf.channels_last=false", "lowp.derived_target=false"])
+    )
     ours.double()
-    ours.precision_policy = float64(**{f.name: getattr(ours.precision_policy, f.name)
-                                       for f in dataclasses.fields(precision.PrecisionPolicy)})
+    ours.precision_policy = float64(
+        **{f.name: getattr(ours.precision_policy, f.name) for f in dataclasses.fields(precision.PrecisionPolicy)}
+    )
     for module in (theirs.actor, theirs.critic, theirs.critic_target):
         module.double()
     with torch.no_grad():
@@ -234,15 +294,16 @@ def check_float64_agreement(drq: Any, batch_size: int, updates: int = 3) -> floa
         torch.manual_seed(100 + step)
         our_update(ours, batch)
     worst = 0.0
-    for name, mine, other in _pairs(ours, theirs):
+    for _name, mine, other in _pairs(ours, theirs):
         scale = float(other.detach().abs().max()) + 1e-12
         worst = max(worst, float((mine.detach() - other.detach()).abs().max()) / scale)
     return worst
 
 
 # --- 2. time ------------------------------------------------------------------------------
-def time_side_by_side(drq: Any, replay_module: Any, batch_size: int, rounds: int, warmup: int,
-                      with_fp16: bool) -> dict[str, list[float]]:
+def time_side_by_side(
+    drq: Any, replay_module: Any, batch_size: int, rounds: int, warmup: int, with_fp16: bool
+) -> dict[str, list[float]]:
     torch.manual_seed(1)
     theirs = make_drq_agent(drq, batch_size, torch.device("cpu"))
     their_replay = drq_replay(replay_module, batch_size, seed=1)
@@ -250,8 +311,9 @@ def time_side_by_side(drq: Any, replay_module: Any, batch_size: int, rounds: int
     for precision in ("fp32", "fp16") if with_fp16 else ("fp32",):
         module = make_our_agent(our_overrides(precision, batch_size, []))
         replay, rng = random_replay(batch_size, seed=2)
-        contenders[f"ours_{precision}"] = (
-            lambda step, module=module, replay=replay, rng=rng: our_update(module, replay.sample(batch_size, rng)))
+        contenders[f"ours_{precision}"] = lambda step, module=module, replay=replay, rng=rng: our_update(
+            module, replay.sample(batch_size, rng)
+        )
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for step in range(warmup + rounds):
         for name, update in contenders.items():
@@ -275,16 +337,24 @@ def main(argv: list[str] | None = None) -> int:
     drq, replay_module = import_drq(args.drq.resolve())
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     settings = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; "
-          f"allocator: {' '.join(f'{k}={v}' for k, v in sorted(settings.items())) or 'glibc defaults'}")
-    results: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                               "allocator": settings, "batch_sizes": {}}
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}; "
+        f"allocator: {' '.join(f'{k}={v}' for k, v in sorted(settings.items())) or 'glibc defaults'}"
+    )
+    results: dict[str, Any] = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "allocator": settings,
+        "batch_sizes": {},
+    }
     failed = False
     if not args.skip_check:
         worst = check_float64_agreement(drq, batch_size=16)
         failed = not worst <= AGREEMENT_TOLERANCE
-        print(f"float64, 3 updates, batch 16: largest weight difference to DrQ {worst:.2e} of the weight's scale "
-              f"({'FAIL' if failed else 'ok'}: tolerance {AGREEMENT_TOLERANCE:g})")
+        print(
+            f"float64, 3 updates, batch 16: largest weight difference to DrQ {worst:.2e} of the weight's scale "
+            f"({'FAIL' if failed else 'ok'}: tolerance {AGREEMENT_TOLERANCE:g})"
+        )
         results["float64_relative_difference"] = worst
     for batch_size in batch_sizes:
         times = time_side_by_side(drq, replay_module, batch_size, args.rounds, args.warmup, not args.no_fp16)

@@ -50,7 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SWITCHES = ("hadam", "loss_scaling", "kahan_gradients", "kahan_momentum", "softplus_fix", "normal_fix")
+from pixelsac.config import SIX as SWITCHES  # noqa: E402  (the repository is on sys.path from here)
+
 MODES: dict[str, list[str]] = {
     "fp32": ["precision=fp32"],
     "fp16": ["precision=fp16"],
@@ -103,14 +104,23 @@ class RunSpec:
 
     def fresh_args(self) -> list[str]:
         # overwrite: the folder is the grid's own and already holds this run's train.log
-        return [f"task={self.task}", *MODES[self.mode], f"seed={self.seed}", *self.overrides,
-                f"run_dir={self.run_dir}", "overwrite=true"]
+        return [
+            f"task={self.task}",
+            *MODES[self.mode],
+            f"seed={self.seed}",
+            *self.overrides,
+            f"run_dir={self.run_dir}",
+            "overwrite=true",
+        ]
 
     def resume_args(self) -> list[str]:
         from pixelsac.config import RESUMABLE
 
-        kept = [o for o in self.overrides
-                if o.split("=", 1)[0].startswith(RESUMABLE) and o.split("=", 1)[0] != "train.env_frames"]
+        kept = [
+            o
+            for o in self.overrides
+            if o.split("=", 1)[0].startswith(RESUMABLE) and o.split("=", 1)[0] != "train.env_frames"
+        ]
         return [f"resume={self.run_dir}", *kept, f"train.env_frames={self.budget}"]
 
 
@@ -163,8 +173,14 @@ def parse_ints(text: str, what: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def build_grid(tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int], obs: str | None,
-               overrides: Sequence[str], out: Path) -> list[RunSpec]:
+def build_grid(
+    tasks: Sequence[str],
+    modes: Sequence[str],
+    seeds: Sequence[int],
+    obs: str | None,
+    overrides: Sequence[str],
+    out: Path,
+) -> list[RunSpec]:
     """Every run of the grid, its configuration composed and validated as training would (a bad
     override or task is a GridError before anything runs)."""
     from pixelsac.config import ConfigError, load_config, parse_overrides
@@ -175,8 +191,9 @@ def build_grid(tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int],
         raise GridError(str(exc)) from None
     for key in given:
         if key in RESERVED or key.startswith("lowp."):
-            raise GridError(f"{key}= is set by the grid (use --tasks, --seeds, --modes, --obs); "
-                            "leave it out of the overrides")
+            raise GridError(
+                f"{key}= is set by the grid (use --tasks, --seeds, --modes, --obs); leave it out of the overrides"
+            )
     extra = list(overrides)
     if "train.num_threads" not in given:
         extra.append("train.num_threads=1")
@@ -197,8 +214,9 @@ def build_grid(tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int],
             except ConfigError as exc:
                 raise GridError(str(exc)) from None
             for seed in seeds:
-                specs.append(RunSpec(task, mode, seed, out / task / mode / f"s{seed}",
-                                     int(cfg.train.env_frames), extra))
+                specs.append(
+                    RunSpec(task, mode, seed, out / task / mode / f"s{seed}", int(cfg.train.env_frames), extra)
+                )
     return specs
 
 
@@ -260,10 +278,16 @@ def train_command(args: Sequence[str]) -> list[str]:
 def code_version() -> str:
     """The commit the runs train with (``+ uncommitted changes`` when the tree differs from it)."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
     return commit + (" + uncommitted changes" if dirty else "")
@@ -272,8 +296,11 @@ def code_version() -> str:
 def hardware_line() -> str:
     import torch
 
-    device = (f"CUDA {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
-              if torch.cuda.is_available() else "no CUDA device")
+    device = (
+        f"CUDA {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
+        if torch.cuda.is_available()
+        else "no CUDA device"
+    )
     return f"{os.cpu_count()} CPUs, torch {torch.__version__}, {device}"
 
 
@@ -288,8 +315,12 @@ def relative(path: str | Path) -> str:
 def as_typed(command: Sequence[str]) -> str:
     """A training command as a user would type it in the repository: ``python``, relative paths."""
     words = ["python" if word == sys.executable else word for word in command]
-    words = [f"{word.split('=', 1)[0]}={relative(word.split('=', 1)[1])}"
-             if word.startswith(("run_dir=", "resume=")) else word for word in words]
+    words = [
+        f"{word.split('=', 1)[0]}={relative(word.split('=', 1)[1])}"
+        if word.startswith(("run_dir=", "resume="))
+        else word
+        for word in words
+    ]
     return shlex.join(words)
 
 
@@ -331,8 +362,11 @@ def execute(plan: Plan, state: GridState) -> str:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     log = spec.run_dir / "train.log"
     command = train_command(plan.args)
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     state.update_run(spec.key, status="running", action=plan.action, command=as_typed(command))
     started = time.monotonic()
     with open(log, "a") as f:
@@ -348,8 +382,14 @@ def execute(plan: Plan, state: GridState) -> str:
         status = "refused"
     else:
         status = "crashed"
-    state.update_run(spec.key, status=status, returncode=rc, seconds=seconds,
-                     env_frames=checkpoint_frames(spec.run_dir), budget=spec.budget)
+    state.update_run(
+        spec.key,
+        status=status,
+        returncode=rc,
+        seconds=seconds,
+        env_frames=checkpoint_frames(spec.run_dir),
+        budget=spec.budget,
+    )
     print(f"{status:<8} {spec.key} (exit {rc}, {seconds:.0f} s; log {log})", flush=True)
     return status
 
@@ -414,8 +454,9 @@ class Row:
     reference: str = ""
 
 
-def table_rows(results: Sequence[RunResult], budgets: Sequence[int], resamples: int = 2000,
-               seeds: int | None = None) -> list[Row]:
+def table_rows(
+    results: Sequence[RunResult], budgets: Sequence[int], resamples: int = 2000, seeds: int | None = None
+) -> list[Row]:
     """Per task x mode x budget: mean ± std (population std over seeds, as tools/plot), IQM with
     a bootstrap 95% CI (tools/plot.bootstrap_band), and how many seeds counted, failed, are missing
     (``seeds``: the grid's seeds per group, so that runs never started count as missing)."""
@@ -429,9 +470,16 @@ def table_rows(results: Sequence[RunResult], budgets: Sequence[int], resamples: 
             outcomes = [value_at(m, budget) for m in members]
             values = np.array([v for s, v in outcomes if s == "ok"], dtype=float)
             expected = max(seeds or 0, len(members))
-            row = Row(task, mode, budget, expected, len(values), sum(s == "failed" for s, _ in outcomes),
-                      sum(s == "missing" for s, _ in outcomes) + expected - len(members),
-                      reference=plot._nearest_reference(task, float(budget)))
+            row = Row(
+                task,
+                mode,
+                budget,
+                expected,
+                len(values),
+                sum(s == "failed" for s, _ in outcomes),
+                sum(s == "missing" for s, _ in outcomes) + expected - len(members),
+                reference=plot._nearest_reference(task, float(budget)),
+            )
             if values.size:
                 center, low, high = plot.bootstrap_band(values[:, None], "iqm", resamples)
                 row.mean, row.std = float(values.mean()), float(values.std())
@@ -447,39 +495,85 @@ def _fmt(value: float | None) -> str:
 def write_csv(rows: Sequence[Row], path: Path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["task", "mode", "env_frames", "seeds", "n", "failed", "missing", "mean", "std",
-                         "iqm", "iqm_ci_low", "iqm_ci_high", "drq_reference"])
+        writer.writerow(
+            [
+                "task",
+                "mode",
+                "env_frames",
+                "seeds",
+                "n",
+                "failed",
+                "missing",
+                "mean",
+                "std",
+                "iqm",
+                "iqm_ci_low",
+                "iqm_ci_high",
+                "drq_reference",
+            ]
+        )
         for r in rows:
-            writer.writerow([r.task, r.mode, r.budget, r.seeds, r.n, r.failed, r.missing, _fmt(r.mean),
-                             _fmt(r.std), _fmt(r.iqm), _fmt(r.iqm_low), _fmt(r.iqm_high), r.reference])
+            writer.writerow(
+                [
+                    r.task,
+                    r.mode,
+                    r.budget,
+                    r.seeds,
+                    r.n,
+                    r.failed,
+                    r.missing,
+                    _fmt(r.mean),
+                    _fmt(r.std),
+                    _fmt(r.iqm),
+                    _fmt(r.iqm_low),
+                    _fmt(r.iqm_high),
+                    r.reference,
+                ]
+            )
 
 
 def markdown(rows: Sequence[Row], header: dict[str, str], notes: Sequence[str]) -> str:
     plot = load_plot()
     lines = ["# Experiment grid results", ""]
     lines += [f"- {name}: {value}" for name, value in header.items()]
-    lines += ["", "Eval return (deterministic policy) at each env-frame budget, over seeds: mean ± std "
-              "(population std), IQM with a bootstrap 95% CI over seeds. `n/seeds` = runs that reached "
-              "the budget; **failed** = runs stopped by a numerical failure (non-finite values, "
-              "failure.json) before the budget, counted as failed, not as zero; *missing* = not run "
-              "yet or still short of the budget.", ""]
+    lines += [
+        "",
+        "Eval return (deterministic policy) at each env-frame budget, over seeds: mean ± std "
+        "(population std), IQM with a bootstrap 95% CI over seeds. `n/seeds` = runs that reached "
+        "the budget; **failed** = runs stopped by a numerical failure (non-finite values, "
+        "failure.json) before the budget, counted as failed, not as zero; *missing* = not run "
+        "yet or still short of the budget.",
+        "",
+    ]
     for budget in sorted({r.budget for r in rows}):
-        lines += [f"## {plot._frames_text(budget)} env frames ({budget:,})", "",
-                  "| task | mode | n/seeds | mean ± std | IQM [95% CI] | failed | missing | DrQ |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {plot._frames_text(budget)} env frames ({budget:,})",
+            "",
+            "| task | mode | n/seeds | mean ± std | IQM [95% CI] | failed | missing | DrQ |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in [r for r in rows if r.budget == budget]:
             mean = f"{r.mean:.1f} ± {r.std:.1f}" if r.mean is not None else "–"
-            iqm = (f"{r.iqm:.1f} [{r.iqm_low:.1f}, {r.iqm_high:.1f}]" if r.iqm is not None else "–")
+            iqm = f"{r.iqm:.1f} [{r.iqm_low:.1f}, {r.iqm_high:.1f}]" if r.iqm is not None else "–"
             failed = f"**{r.failed} failed** ✗" if r.failed else "0"
-            lines.append(f"| {r.task} | {r.mode} | {r.n}/{r.seeds} | {mean} | {iqm} | {failed} | "
-                         f"{r.missing} | {r.reference} |")
+            lines.append(
+                f"| {r.task} | {r.mode} | {r.n}/{r.seeds} | {mean} | {iqm} | {failed} | {r.missing} | {r.reference} |"
+            )
         lines.append("")
     lines += [f"- {note}" for note in notes]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def collect(out: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int],
-            budgets: Sequence[int], argv: Sequence[str], state: GridState, resamples: int = 2000) -> list[Row]:
+def collect(
+    out: Path,
+    tasks: Sequence[str],
+    modes: Sequence[str],
+    seeds: Sequence[int],
+    budgets: Sequence[int],
+    argv: Sequence[str],
+    state: GridState,
+    resamples: int = 2000,
+) -> list[Row]:
     """Write results.md, results.csv and curves.png/svg for the grid in ``out``."""
     plot = load_plot()
     results, runs, notes = [], [], []
@@ -512,8 +606,10 @@ def collect(out: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequen
         notes.append(f"{len(failed_runs)} run(s) ended in a numerical failure: {', '.join(failed_runs)}")
     if runs:
         written = plot.plot_curves(plot.build_curves(runs, "mean", resamples), out / "curves.png")
-        notes.append("learning curves (mean over seeds, bootstrap 95% band; failed runs left out): "
-                     + ", ".join(p.name for p in written))
+        notes.append(
+            "learning curves (mean over seeds, bootstrap 95% band; failed runs left out): "
+            + ", ".join(p.name for p in written)
+        )
     spec = state.data.get("spec", {})
     header = {
         "command": f"`{command_line(argv)}`",
@@ -521,8 +617,10 @@ def collect(out: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequen
         "hardware (collected on)": hardware_line(),
         "hardware (runs)": spec.get("hardware", "(unknown)"),
         "code (runs)": spec.get("code", "(not recorded)"),
-        "tasks": ", ".join(tasks), "modes": ", ".join(f"{m} ({' '.join(MODES[m])})" for m in modes),
-        "seeds": ", ".join(map(str, seeds)), "overrides": " ".join(spec.get("overrides", [])) or "(none)",
+        "tasks": ", ".join(tasks),
+        "modes": ", ".join(f"{m} ({' '.join(MODES[m])})" for m in modes),
+        "seeds": ", ".join(map(str, seeds)),
+        "overrides": " ".join(spec.get("overrides", [])) or "(none)",
         "written": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     (out / "results.md").write_text(markdown(rows, header, notes))
@@ -555,8 +653,12 @@ def export(out: Path, dest: Path, tasks: Sequence[str], modes: Sequence[str], se
 
 # --- command line ---------------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tools/experiment.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="tools/experiment.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides passed to every run")
     parser.add_argument("--out", required=True, help="grid folder; runs go to OUT/<task>/<mode>/s<seed>")
     parser.add_argument("--modes", default=None, help="comma-separated modes, or main / all (default: main)")
@@ -564,16 +666,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: 1,2,3)")
     parser.add_argument("--obs", choices=("pixels", "state"), default=None, help="observations (env.obs)")
     parser.add_argument("--jobs", type=int, default=1, help="training runs at once (default 1)")
-    parser.add_argument("--budgets", default=None,
-                        help="env-frame budgets of the table (default: the grid's final budget and its half)")
+    parser.add_argument(
+        "--budgets", default=None, help="env-frame budgets of the table (default: the grid's final budget and its half)"
+    )
     parser.add_argument("--retry-failed", action="store_true", help="start numerically failed runs again")
     parser.add_argument("--dry-run", action="store_true", help="print what would run, run nothing")
     parser.add_argument("--collect-only", action="store_true", help="only (re)write results from existing runs")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples for the IQM CI")
-    parser.add_argument("--export", default=None,
-                        help="also copy the results and each finished run's metrics, summary and config (no "
-                             "checkpoints) here, e.g. docs/results/NAME; copying its runs/ back into --out lets a "
-                             "later invocation on another machine skip them")
+    parser.add_argument(
+        "--export",
+        default=None,
+        help="also copy the results and each finished run's metrics, summary and config (no "
+        "checkpoints) here, e.g. docs/results/NAME; copying its runs/ back into --out lets a "
+        "later invocation on another machine skip them",
+    )
 
     def error(message: str) -> None:
         raise GridError(message)
@@ -612,8 +718,13 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     tasks = parse_list(args.tasks, "tasks") if args.tasks else spec.get("tasks") if args.collect_only else None
     if not tasks:
         raise GridError("--tasks is required (e.g. --tasks cartpole_swingup,walker_walk)")
-    seeds = parse_ints(args.seeds, "seeds") if args.seeds else spec.get("seeds", [1, 2, 3]) if args.collect_only \
+    seeds = (
+        parse_ints(args.seeds, "seeds")
+        if args.seeds
+        else spec.get("seeds", [1, 2, 3])
+        if args.collect_only
         else [1, 2, 3]
+    )
     budgets = parse_ints(args.budgets, "budgets") if args.budgets else None
 
     if args.collect_only:
@@ -633,8 +744,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     budgets = budgets or sorted({final // 2, final})
     plans = [plan_run(s, args.retry_failed) for s in specs]
     for plan in plans:
-        what = {"skip-done": f"done ({plan.frames} >= {plan.spec.budget} frames), skipped",
-                "skip-failed": "failed numerically earlier, not retried (--retry-failed to retry)"}.get(plan.action)
+        what = {
+            "skip-done": f"done ({plan.frames} >= {plan.spec.budget} frames), skipped",
+            "skip-failed": "failed numerically earlier, not retried (--retry-failed to retry)",
+        }.get(plan.action)
         if what:
             print(f"{plan.action:<11} {plan.spec.key}: {what}")
         else:
@@ -645,16 +758,27 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"dry run: {len(todo)} of {len(plans)} runs would train, {args.jobs} at a time")
         return 0
 
-    state.data["spec"] = {"tasks": tasks, "modes": modes, "seeds": seeds, "obs": args.obs,
-                          "overrides": list(args.overrides), "budget": final, "out": relative(out),
-                          "jobs": args.jobs, "command": command_line(argv), "hardware": hardware_line(),
-                          "code": code_version()}
+    state.data["spec"] = {
+        "tasks": tasks,
+        "modes": modes,
+        "seeds": seeds,
+        "obs": args.obs,
+        "overrides": list(args.overrides),
+        "budget": final,
+        "out": relative(out),
+        "jobs": args.jobs,
+        "command": command_line(argv),
+        "hardware": hardware_line(),
+        "code": code_version(),
+    }
     state.data.setdefault("invocations", []).append(
-        {"command": command_line(argv), "time": datetime.datetime.now().isoformat(timespec="seconds")})
+        {"command": command_line(argv), "time": datetime.datetime.now().isoformat(timespec="seconds")}
+    )
     for plan in plans:
         if plan.action == "skip-done":
-            state.data["runs"].setdefault(plan.spec.key, {}).update(status="done", env_frames=plan.frames,
-                                                                    budget=plan.spec.budget)
+            state.data["runs"].setdefault(plan.spec.key, {}).update(
+                status="done", env_frames=plan.frames, budget=plan.spec.budget
+            )
         elif plan.action == "skip-failed":
             state.data["runs"].setdefault(plan.spec.key, {}).update(status="failed")
         else:
@@ -667,8 +791,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             statuses = list(pool.map(lambda p: execute(p, state), todo))
     counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
     skipped = len(plans) - len(todo)
-    print(f"grid: {len(todo)} trained ({', '.join(f'{n} {s}' for s, n in counts.items()) or 'none'}), "
-          f"{skipped} skipped; {out / 'grid.json'}")
+    print(
+        f"grid: {len(todo)} trained ({', '.join(f'{n} {s}' for s, n in counts.items()) or 'none'}), "
+        f"{skipped} skipped; {out / 'grid.json'}"
+    )
     try:
         collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples)
         print(f"wrote {out / 'results.md'}, {out / 'results.csv'}")

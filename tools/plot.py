@@ -161,8 +161,9 @@ def precision_label(config: dict[str, Any]) -> str:
     mode = str(config.get("precision"))
     try:
         resolved = PrecisionPolicy.from_config(OmegaConf.create(config), "cuda")
-        default = PrecisionPolicy.from_config(OmegaConf.create({**config, "lowp": {
-            **config["lowp"], "all": None, **dict.fromkeys(SIX, None)}}), "cuda")
+        default = PrecisionPolicy.from_config(
+            OmegaConf.create({**config, "lowp": {**config["lowp"], "all": None, **dict.fromkeys(SIX, None)}}), "cuda"
+        )
     except (KeyError, AttributeError, TypeError):  # a mode or layout this version does not know
         return mode
     removed = [name for name in SIX if getattr(default, name) and not getattr(resolved, name)]
@@ -209,8 +210,9 @@ def _stat(values: np.ndarray, stat: str, axis: int) -> np.ndarray:
     return iqm(values, axis) if stat == "iqm" else np.mean(values, axis=axis)
 
 
-def bootstrap_band(values: np.ndarray, stat: str = "mean", resamples: int = 2000,
-                   confidence: float = 0.95, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def bootstrap_band(
+    values: np.ndarray, stat: str = "mean", resamples: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Statistic over runs (axis 0) of a (runs, points) array, with a percentile bootstrap
     confidence band (runs resampled with replacement). One run: the band is the line itself."""
     values = np.asarray(values, dtype=float)
@@ -263,11 +265,16 @@ def summary_table(curves: Sequence[Curve], stat: str = "mean") -> str:
     lines = [header, "-" * len(header)]
     for curve in curves:
         final = curve.values[:, -1]
-        ci = (f"{curve.center[-1]:.1f} [{curve.low[-1]:.1f}, {curve.high[-1]:.1f}]" if len(final) > 1
-              else f"{curve.center[-1]:.1f}")
+        ci = (
+            f"{curve.center[-1]:.1f} [{curve.low[-1]:.1f}, {curve.high[-1]:.1f}]"
+            if len(final) > 1
+            else f"{curve.center[-1]:.1f}"
+        )
         reference = _nearest_reference(curve.task, float(curve.grid[-1]))
-        lines.append(f"{curve.task:<20} {curve.label:<24} {len(final):>4} {int(curve.grid[-1]):>11,}  "
-                     f"{ci:<26} {float(np.std(final)):>6.1f}  {reference}")
+        lines.append(
+            f"{curve.task:<20} {curve.label:<24} {len(final):>4} {int(curve.grid[-1]):>11,}  "
+            f"{ci:<26} {float(np.std(final)):>6.1f}  {reference}"
+        )
     return "\n".join(lines)
 
 
@@ -298,8 +305,14 @@ def plot_curves(curves: Sequence[Curve], out: Path, stat: str = "mean", referenc
         for curve in task_curves:
             color = colors[curve.label]
             seeds = len(curve.runs)
-            ax.plot(curve.grid, curve.center, color=color, lw=1.8, marker="o" if curve.grid.size == 1 else None,
-                    label=f"{curve.label} ({seeds} seed{'s' if seeds > 1 else ''})")
+            ax.plot(
+                curve.grid,
+                curve.center,
+                color=color,
+                lw=1.8,
+                marker="o" if curve.grid.size == 1 else None,
+                label=f"{curve.label} ({seeds} seed{'s' if seeds > 1 else ''})",
+            )
             if seeds > 1:
                 ax.fill_between(curve.grid, curve.low, curve.high, color=color, alpha=0.2, lw=0)
         _reference_marks(ax, task, max(float(c.grid[-1]) for c in task_curves), reference)
@@ -309,7 +322,7 @@ def plot_curves(curves: Sequence[Curve], out: Path, stat: str = "mean", referenc
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _frames_text(x)))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
-    for ax in list(axes.flat)[len(tasks):]:
+    for ax in list(axes.flat)[len(tasks) :]:
         ax.set_visible(False)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -325,26 +338,43 @@ def plot_curves(curves: Sequence[Curve], out: Path, stat: str = "mean", referenc
 def _reference_marks(ax: Any, task: str, last_frames: float, reference: str) -> None:
     if reference == "none":
         return
-    points = [(frames, mean, std) for frames, (mean, std) in DRQ_REFERENCE.get(task, {}).items()
-              if reference == "all" or frames <= 1.1 * last_frames]  # a far-off mark would squash the curves
+    points = [
+        (frames, mean, std)
+        for frames, (mean, std) in DRQ_REFERENCE.get(task, {}).items()
+        if reference == "all" or frames <= 1.1 * last_frames
+    ]  # a far-off mark would squash the curves
     if points:
         frames, means, stds = zip(*points)
-        ax.errorbar(frames, means, yerr=stds, fmt="D", color="black", ms=5, capsize=4,
-                    label="DrQ (10 seeds, mean ± std)")
+        ax.errorbar(
+            frames, means, yerr=stds, fmt="D", color="black", ms=5, capsize=4, label="DrQ (10 seeds, mean ± std)"
+        )
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="tools/plot", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tools/plot", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", nargs="+", help="run directories, glob patterns or folders of runs")
     parser.add_argument("--out", default="curves.png", help="output file; .png and .svg are both written")
     parser.add_argument("--stat", choices=STATS, default="mean", help="statistic over seeds (iqm: interquartile mean)")
-    parser.add_argument("--by", action="append", default=[], metavar="KEY",
-                        help="also split lines by this config key (e.g. agent.batch_size); repeatable")
-    parser.add_argument("--reference", choices=("auto", "all", "none"), default="auto",
-                        help="DrQ reference marks: within the plotted frames (auto), all, or none")
-    parser.add_argument("--skip-incomplete", action="store_true",
-                        help="leave out runs without metrics or evaluations (with a warning) instead of stopping")
+    parser.add_argument(
+        "--by",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="also split lines by this config key (e.g. agent.batch_size); repeatable",
+    )
+    parser.add_argument(
+        "--reference",
+        choices=("auto", "all", "none"),
+        default="auto",
+        help="DrQ reference marks: within the plotted frames (auto), all, or none",
+    )
+    parser.add_argument(
+        "--skip-incomplete",
+        action="store_true",
+        help="leave out runs without metrics or evaluations (with a warning) instead of stopping",
+    )
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples for the band")
     args = parser.parse_args(argv)
     if args.resamples < 1:

@@ -25,8 +25,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -98,12 +99,26 @@ def install(timers: ExclusiveTimers) -> None:
 
 
 def table(timers: ExclusiveTimers, wall: float) -> list[dict[str, Any]]:
-    rows = [{"part": label, "seconds": s, "share": s / wall, "calls": timers.calls[label],
-             "ms_per_call": 1e3 * s / max(timers.calls[label], 1)}
-            for label, s in sorted(timers.seconds.items(), key=lambda kv: -kv[1])]
+    rows = [
+        {
+            "part": label,
+            "seconds": s,
+            "share": s / wall,
+            "calls": timers.calls[label],
+            "ms_per_call": 1e3 * s / max(timers.calls[label], 1),
+        }
+        for label, s in sorted(timers.seconds.items(), key=lambda kv: -kv[1])
+    ]
     rest = wall - sum(timers.seconds.values())
-    rows.append({"part": "the rest (Lightning loop, progress bar, start-up)", "seconds": rest,
-                 "share": rest / wall, "calls": None, "ms_per_call": None})
+    rows.append(
+        {
+            "part": "the rest (Lightning loop, progress bar, start-up)",
+            "seconds": rest,
+            "share": rest / wall,
+            "calls": None,
+            "ms_per_call": None,
+        }
+    )
     return rows
 
 
@@ -128,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         per = "" if row["ms_per_call"] is None else f"{row['ms_per_call']:.2f}"
         print(f"{row['part']:<52} {row['seconds']:8.1f} {row['share']:7.1%} {calls:>8} {per:>9}")
     if args.out:
-        args.out.write_text(json.dumps({"wall_s": wall, "exit": code, "overrides": args.overrides, "rows": rows},
-                                       indent=2))
+        args.out.write_text(
+            json.dumps({"wall_s": wall, "exit": code, "overrides": args.overrides, "rows": rows}, indent=2)
+        )
     return code
 
 

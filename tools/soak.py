@@ -27,10 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pixelsac.train import resolve_config, train  # noqa: E402
 
-TINY = ["task=cartpole_swingup", "env.image_size=32", "env.episode_frames=256", "replay.capacity=2000",
-        "agent.batch_size=8", "agent.num_filters=8", "agent.feature_dim=16", "agent.hidden_dim=32",
-        "train.seed_steps=32", "train.eval_episodes=1", "train.log_every_updates=50",
-        "train.video_every_evals=0", "trainer.enable_progress_bar=false"]
+TINY = [
+    "task=cartpole_swingup",
+    "env.image_size=32",
+    "env.episode_frames=256",
+    "replay.capacity=2000",
+    "agent.batch_size=8",
+    "agent.num_filters=8",
+    "agent.feature_dim=16",
+    "agent.hidden_dim=32",
+    "train.seed_steps=32",
+    "train.eval_episodes=1",
+    "train.log_every_updates=50",
+    "train.video_every_evals=0",
+    "trainer.enable_progress_bar=false",
+]
 
 
 def rss_mb() -> float:
@@ -56,8 +67,9 @@ def main() -> int:
     parser.add_argument("--segments", type=int, default=8)
     parser.add_argument("--frames-per-segment", type=int, default=2560)
     parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--growth-limit-mb", type=float, default=64.0,
-                        help="allowed resident-memory growth from segment 3 to the last")
+    parser.add_argument(
+        "--growth-limit-mb", type=float, default=64.0, help="allowed resident-memory growth from segment 3 to the last"
+    )
     parser.add_argument("--run-dir", default=None)
     args = parser.parse_args()
 
@@ -74,15 +86,30 @@ def main() -> int:
         cfg, resume_from, resume_frames = resolve_config(argv)
         run = train(cfg, resume_from, resume_frames)
         check_counters(run, cfg.train.seed_steps, run_dir)
-        history.append({"segment": segment, "env_frames": run.collector.env_frames, "updates": run.module.updates,
-                        "rss_mb": round(rss_mb(), 1), "seconds": round(time.perf_counter() - start, 1)})
+        history.append(
+            {
+                "segment": segment,
+                "env_frames": run.collector.env_frames,
+                "updates": run.module.updates,
+                "rss_mb": round(rss_mb(), 1),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+        )
         print(json.dumps(history[-1]), flush=True)
         del run
     warm = history[min(2, len(history) - 1)]["rss_mb"]
     growth = history[-1]["rss_mb"] - warm
-    summary = {"segments": args.segments, "env_frames": history[-1]["env_frames"], "updates": history[-1]["updates"],
-               "rss_mb_first": history[0]["rss_mb"], "rss_mb_after_warmup": warm, "rss_mb_last": history[-1]["rss_mb"],
-               "growth_mb": round(growth, 1), "growth_limit_mb": args.growth_limit_mb, "run_dir": str(run_dir)}
+    summary = {
+        "segments": args.segments,
+        "env_frames": history[-1]["env_frames"],
+        "updates": history[-1]["updates"],
+        "rss_mb_first": history[0]["rss_mb"],
+        "rss_mb_after_warmup": warm,
+        "rss_mb_last": history[-1]["rss_mb"],
+        "growth_mb": round(growth, 1),
+        "growth_limit_mb": args.growth_limit_mb,
+        "run_dir": str(run_dir),
+    }
     print(json.dumps(summary))
     if growth > args.growth_limit_mb:
         print(f"FAIL: resident memory grew {growth:.1f} MB after warm-up", file=sys.stderr)

@@ -70,10 +70,7 @@ def _first_line(err: BaseException) -> str:
 
 def _gl_error(err: BaseException) -> EnvError:
     backend = os.environ.get("MUJOCO_GL", "")
-    return EnvError(
-        f"cannot render with MUJOCO_GL={backend!r} ({type(err).__name__}: {_first_line(err)}); "
-        f"{_GL_HELP}"
-    )
+    return EnvError(f"cannot render with MUJOCO_GL={backend!r} ({type(err).__name__}: {_first_line(err)}); {_GL_HELP}")
 
 
 _SUITE: Any = None
@@ -120,8 +117,7 @@ def _resolve_task(name: str) -> tuple[str, str]:
     hint = f"did you mean {', '.join(close)}? " if close else ""
     examples = ", ".join(PLANET_ACTION_REPEAT)
     raise EnvError(
-        f"unknown task {name!r}; {hint}see available_tasks() for all {len(table)} tasks "
-        f"(benchmark tasks: {examples})"
+        f"unknown task {name!r}; {hint}see available_tasks() for all {len(table)} tasks (benchmark tasks: {examples})"
     )
 
 
@@ -345,15 +341,10 @@ class DMCEnv:
             raise RuntimeError("step() needs a running episode: call reset() first")
         unit_action = np.asarray(action, dtype=np.float64).reshape(-1)
         if unit_action.shape != (self._action_dim,):
-            raise ValueError(
-                f"{self._task} takes {self._action_dim} action components, "
-                f"got shape {np.shape(action)}"
-            )
+            raise ValueError(f"{self._task} takes {self._action_dim} action components, got shape {np.shape(action)}")
         if not np.all(np.isfinite(unit_action)):
             raise ValueError(f"action must be finite, got {unit_action}")
-        scaled = self._action_low + (unit_action + 1.0) * 0.5 * (
-            self._action_high - self._action_low
-        )
+        scaled = self._action_low + (unit_action + 1.0) * 0.5 * (self._action_high - self._action_low)
         # The map is monotonic, so clipping to the bounds here equals clipping to [-1, 1]
         # before it, and it also catches rounding a hair outside the spec.
         scaled = np.clip(scaled, self._action_low, self._action_high)
@@ -408,7 +399,7 @@ class DMCEnv:
             self._env.physics.free()
             self._env = None
 
-    def __enter__(self) -> "DMCEnv":
+    def __enter__(self) -> DMCEnv:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -457,10 +448,7 @@ class DMCEnv:
             raise EnvError(f"camera_id must be an integer, got {camera_id!r}") from None
         # -1 is MuJoCo's free camera.
         if not -1 <= camera_id < camera_count:
-            raise EnvError(
-                f"camera_id {camera_id} does not exist for {self._task}: "
-                f"choose -1..{camera_count - 1}"
-            )
+            raise EnvError(f"camera_id {camera_id} does not exist for {self._task}: choose -1..{camera_count - 1}")
         return int(camera_id)
 
     def _check_render_size(self, size: int) -> None:
@@ -487,9 +475,7 @@ class DMCEnv:
 
     def _observe(self, observation: dict) -> np.ndarray:
         if self._obs_kind == "state":
-            return np.concatenate(
-                [np.asarray(observation[key], dtype=np.float32).ravel() for key in self._state_keys]
-            )
+            return np.concatenate([np.asarray(observation[key], dtype=np.float32).ravel() for key in self._state_keys])
         image = self._render_hwc(self._image_size, self._camera_id)
         return np.ascontiguousarray(image.transpose(2, 0, 1))
 

@@ -40,8 +40,16 @@ class SerialEnvs:
 
     def __getattr__(self, name: str) -> Any:
         # shapes, dtypes, action repeat... are the same for every env: ask the first
-        if name in ("obs_shape", "frame_shape", "frame_dtype", "action_dim", "action_repeat",
-                    "frame_stack", "episode_frames", "task"):
+        if name in (
+            "obs_shape",
+            "frame_shape",
+            "frame_dtype",
+            "action_dim",
+            "action_repeat",
+            "frame_stack",
+            "episode_frames",
+            "task",
+        ):
             return getattr(self.envs[0], name)
         raise AttributeError(name)
 
@@ -75,9 +83,23 @@ def _worker(conn: Connection, task: str, seed: int, env_kwargs: dict) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
         env = DMCEnv(task, seed=seed, **env_kwargs)
-        conn.send(("ok", {name: getattr(env, name) for name in
-                          ("obs_shape", "frame_shape", "frame_dtype", "action_dim", "action_repeat",
-                           "frame_stack", "episode_frames")}))
+        conn.send(
+            (
+                "ok",
+                {
+                    name: getattr(env, name)
+                    for name in (
+                        "obs_shape",
+                        "frame_shape",
+                        "frame_dtype",
+                        "action_dim",
+                        "action_repeat",
+                        "frame_stack",
+                        "episode_frames",
+                    )
+                },
+            )
+        )
     except BaseException as exc:  # noqa: BLE001 -- report anything, including EnvError
         conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
         return
@@ -147,23 +169,29 @@ class ParallelEnvs:
         while not conn.poll(1.0):
             waited += 1.0
             if not proc.is_alive():
-                raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
-                                     f"with exit code {proc.exitcode} without answering")
+                raise EnvWorkerError(
+                    f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
+                    f"with exit code {proc.exitcode} without answering"
+                )
             if waited >= self.timeout_s:
-                raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) did not "
-                                     f"answer within {self.timeout_s:.0f} s")
+                raise EnvWorkerError(
+                    f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) did not "
+                    f"answer within {self.timeout_s:.0f} s"
+                )
         try:
             status, payload = conn.recv()
         except EOFError:
             proc.join(timeout=5)
-            raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
-                                 f"with exit code {proc.exitcode}") from None
+            raise EnvWorkerError(
+                f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died with exit code {proc.exitcode}"
+            ) from None
         if status == "error":
             kind, message, trace = payload
             if kind == "EnvError":
                 raise EnvError(message)
-            raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) failed: "
-                                 f"{kind}: {message}\n{trace}")
+            raise EnvWorkerError(
+                f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) failed: {kind}: {message}\n{trace}"
+            )
         return payload
 
     def _call_all(self, command: str, args: Sequence[Any], indices: Sequence[int]) -> list[Any]:
@@ -172,8 +200,10 @@ class ParallelEnvs:
                 self._conns[i].send((command, arg))
             except (BrokenPipeError, EOFError, OSError):
                 self._procs[i].join(timeout=5)
-                raise EnvWorkerError(f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
-                                     f"with exit code {self._procs[i].exitcode}") from None
+                raise EnvWorkerError(
+                    f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
+                    f"with exit code {self._procs[i].exitcode}"
+                ) from None
         return [self._receive(i) for i in indices]  # all requests first: the workers run in parallel
 
     def reset(self, indices: Sequence[int]) -> list[TimeStep]:

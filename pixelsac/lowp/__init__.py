@@ -14,7 +14,12 @@ torch:
   (hAdam's ``unbiased_moments``, beyond the paper).
 """
 
-from .distributions import SquashedNormal, gaussian_log_prob, stable_softplus, tanh_log_abs_det_jacobian
+from .distributions import (
+    SquashedNormal,
+    gaussian_log_prob,
+    stable_softplus,
+    tanh_log_abs_det_jacobian,
+)
 from .ema import KahanEMA
 from .emulate import fp32_accumulate
 from .hadam import HAdam

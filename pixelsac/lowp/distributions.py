@@ -157,7 +157,7 @@ class SquashedNormal(Distribution):
     def mode(self) -> torch.Tensor:
         return torch.tanh(self.loc)
 
-    def rsample(self, sample_shape: torch.Size | tuple[int, ...] = torch.Size()) -> torch.Tensor:
+    def rsample(self, sample_shape: torch.Size | tuple[int, ...] = ()) -> torch.Tensor:
         shape = self._extended_shape(torch.Size(sample_shape))
         noise = torch.randn(shape, dtype=self.loc.dtype, device=self.loc.device)
         pre_tanh = self.loc + self.scale * noise
@@ -180,9 +180,7 @@ class SquashedNormal(Distribution):
             noise = self._cached_noise
             log_scale = self.scale.log() if self.log_scale is None else self.log_scale
             return -0.5 * noise * noise - log_scale - _HALF_LOG_TWO_PI
-        return gaussian_log_prob(
-            pre_tanh, self.loc, self.scale, stable=self.normal_fix, log_scale=self.log_scale
-        )
+        return gaussian_log_prob(pre_tanh, self.loc, self.scale, stable=self.normal_fix, log_scale=self.log_scale)
 
     def log_prob(self, value: torch.Tensor) -> torch.Tensor:
         """``log N(u; μ, σ) - log(1 - tanh(u)²)`` per dimension, with ``a = tanh(u)``."""

@@ -122,8 +122,7 @@ class KahanEMA(nn.Module):
         for (name, src), (_, tgt) in zip(source_named, target_named):
             if src.shape != tgt.shape:
                 raise ValueError(
-                    f"KahanEMA: shape mismatch for {name!r}: source {tuple(src.shape)}, "
-                    f"target {tuple(tgt.shape)}"
+                    f"KahanEMA: shape mismatch for {name!r}: source {tuple(src.shape)}, target {tuple(tgt.shape)}"
                 )
         self.param_names = source_names
 

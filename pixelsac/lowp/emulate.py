@@ -105,13 +105,16 @@ class _SavedLow:
     def __init__(self, upcasts: dict[int, torch.Tensor]) -> None:
         # storage address -> (input index, the upcast's size and strides); the upcasts are all
         # alive while the op runs, so addresses are unique here
-        self._by_storage = {u.untyped_storage().data_ptr(): (i, tuple(u.size()), tuple(u.stride()))
-                            for i, u in upcasts.items() if u.untyped_storage().nbytes() > 0}
-        self.slots: list[int] = []             # input index of each low-precision tensor saved
-        self.geometry: list[tuple] = []        # its upcast's (size, stride)
+        self._by_storage = {
+            u.untyped_storage().data_ptr(): (i, tuple(u.size()), tuple(u.stride()))
+            for i, u in upcasts.items()
+            if u.untyped_storage().nbytes() > 0
+        }
+        self.slots: list[int] = []  # input index of each low-precision tensor saved
+        self.geometry: list[tuple] = []  # its upcast's (size, stride)
         self._slot_of: dict[int, int] = {}
         self.kept: list[torch.Tensor] | None = []
-        self._saved: tuple[torch.Tensor, ...] | None = None   # set during backward only
+        self._saved: tuple[torch.Tensor, ...] | None = None  # set during backward only
         self._copies: dict[int, torch.Tensor] = {}
 
     def pack(self, tensor: torch.Tensor) -> _Packed:
@@ -169,8 +172,9 @@ class _Fp32Accumulated(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, func: Callable, spec: Any, template: list, low: torch.dtype,
-                *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, func: Callable, spec: Any, template: list, low: torch.dtype, *tensors: torch.Tensor
+    ) -> torch.Tensor:
         with torch.enable_grad():
             upcasts = {i: t.float() for i, t in enumerate(tensors) if t.dtype == low}
             leaves = list(template)
@@ -200,8 +204,13 @@ class _Fp32Accumulated(torch.autograd.Function):
             try:
                 # retain_graph: the inner nodes hold only packed references (the tensors live in
                 # ctx), and a second outer backward must fail or succeed as ctx's tensors decide
-                found = torch.autograd.grad([ctx.out_edge], [ctx.input_edges[i] for i in wanted], [grad_out],
-                                            retain_graph=True, allow_unused=True)
+                found = torch.autograd.grad(
+                    [ctx.out_edge],
+                    [ctx.input_edges[i] for i in wanted],
+                    [grad_out],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
             finally:
                 ctx.saved.close()
             for i, grad in zip(wanted, found):
@@ -230,9 +239,7 @@ class _Fp32AccumulateMode(TorchFunctionMode):
         super().__init__()
         self.save_low_precision = save_low_precision
 
-    def __torch_function__(
-        self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
-    ) -> Any:
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         # Ops given an out= tensor keep their native semantics; mixed dtypes keep torch's error.
         if func in ACCUMULATING_OPS and "out" not in kwargs:
@@ -240,8 +247,11 @@ class _Fp32AccumulateMode(TorchFunctionMode):
             if low_dtype is not None:
                 # The mode is disabled inside this handler, so these calls are not re-intercepted.
                 leaves = tree_flatten((args, kwargs))[0]
-                if self.save_low_precision and torch.is_grad_enabled() and any(
-                        isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
+                if (
+                    self.save_low_precision
+                    and torch.is_grad_enabled()
+                    and any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
+                ):
                     return _emulate_saving_low(func, args, kwargs, low_dtype)
                 # Nothing to save (no grad), or the plain form asked for.
                 return func(*tree_map(_upcast, args), **tree_map(_upcast, kwargs)).to(low_dtype)

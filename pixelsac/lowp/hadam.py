@@ -94,8 +94,14 @@ def _copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return torch._foreach_mul(tensors, 1.0)
 
 
-def _hypot_root(grads: list[torch.Tensor], exp_avg_roots: list[torch.Tensor], beta1: float, beta2: float,
-                eps: float | torch.Tensor, tiny: float) -> list[torch.Tensor]:
+def _hypot_root(
+    grads: list[torch.Tensor],
+    exp_avg_roots: list[torch.Tensor],
+    beta1: float,
+    beta2: float,
+    eps: float | torch.Tensor,
+    tiny: float,
+) -> list[torch.Tensor]:
     """``hypot((1-β1)|g|, sqrt(β2)·s)`` as ``M·sqrt(1 + (N/(M+ε))²)``: nothing large is squared."""
     scaled_grads = torch._foreach_abs(grads)
     torch._foreach_mul_(scaled_grads, 1.0 - beta1)
@@ -197,8 +203,14 @@ class HAdam(Optimizer):
             raise ValueError(f"HAdam: betas must lie in [0, 1), got {betas}")
         if chunk_numel < 1:
             raise ValueError(f"HAdam: chunk_numel must be positive, got {chunk_numel}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, kahan=bool(kahan), capturable=bool(capturable),
-                        unbiased_moments=bool(unbiased_moments))
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            kahan=bool(kahan),
+            capturable=bool(capturable),
+            unbiased_moments=bool(unbiased_moments),
+        )
         super().__init__(params, defaults)
         self.seed = int(seed)
         self.chunk_numel = int(chunk_numel)
@@ -246,8 +258,10 @@ class HAdam(Optimizer):
         ok = None
         if found_inf is not None:
             if not all(group.get("capturable", False) for group in self.param_groups):
-                raise ValueError("HAdam.step(found_inf=...) needs capturable=True: a host-side step "
-                                 "cannot skip without reading the flag on the host")
+                raise ValueError(
+                    "HAdam.step(found_inf=...) needs capturable=True: a host-side step "
+                    "cannot skip without reading the flag on the host"
+                )
             ok = (found_inf == 0).to(torch.float32)
         work = self._gather()
         if ok is not None:
@@ -288,8 +302,9 @@ class HAdam(Optimizer):
                     continue
                 if param.grad.is_sparse:
                     raise RuntimeError("HAdam does not support sparse gradients")
-                bucket = buckets.setdefault((param.device, param.dtype),
-                                            {"params": [], "grads": [], "states": [], "indices": []})
+                bucket = buckets.setdefault(
+                    (param.device, param.dtype), {"params": [], "grads": [], "states": [], "indices": []}
+                )
                 bucket["params"].append(param)
                 bucket["grads"].append(param.grad)
                 bucket["states"].append(self._init_state(param, group["kahan"], group.get("capturable", False)))
@@ -339,7 +354,7 @@ class HAdam(Optimizer):
         return ~torch.stack(flags).all()
 
     def _apply(self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None) -> None:
-        params, grads, states = bucket["params"], bucket["grads"], bucket["states"]
+        params, states = bucket["params"], bucket["states"]
         steps = [s["step"] for s in states]
         if group.get("capturable", False):
             if ok is not None:
@@ -367,7 +382,7 @@ class HAdam(Optimizer):
         steps = [s["step"] for s in states]
         if capturable:
             counted = torch._foreach_clamp_min(steps, 1.0)
-            step_sizes = torch._foreach_pow(beta1, counted)      # -> -lr (1-β1) / (sqrt(1-β2) (1-β1^t))
+            step_sizes = torch._foreach_pow(beta1, counted)  # -> -lr (1-β1) / (sqrt(1-β2) (1-β1^t))
             torch._foreach_sub_(step_sizes, 1.0)
             torch._foreach_reciprocal_(step_sizes)
             torch._foreach_mul_(step_sizes, lr * (1.0 - beta1) / math.sqrt(1.0 - beta2))
@@ -409,8 +424,12 @@ class HAdam(Optimizer):
             step = None if capturable else state["step"]
             for start in range(0, numel, self.chunk_numel):
                 length = min(self.chunk_numel, numel - start)
-                if (current is None or current.numel + length > self.chunk_numel or current.kahan != kahan
-                        or current.step != step):
+                if (
+                    current is None
+                    or current.numel + length > self.chunk_numel
+                    or current.kahan != kahan
+                    or current.step != step
+                ):
                     current = _Pack(kahan=kahan, step=step)
                     packs.append(current)
                 current.segments.append((position, start, length))
@@ -419,18 +438,27 @@ class HAdam(Optimizer):
 
     def _pack_views(self, bucket: dict[str, Any], pack: _Pack) -> dict[str, list[torch.Tensor]]:
         """1-D views, in each parameter's own memory order, of every segment of a pack."""
-        views: dict[str, list[torch.Tensor]] = {"grad": [], "exp_avg": [], "exp_avg_root": [], "param": [],
-                                                "kahan_comp": []}
+        views: dict[str, list[torch.Tensor]] = {
+            "grad": [],
+            "exp_avg": [],
+            "exp_avg_root": [],
+            "param": [],
+            "kahan_comp": [],
+        }
         flats: dict[int, dict[str, torch.Tensor]] = {}
         for position, start, length in pack.segments:
             if position not in flats:
                 param, state = bucket["params"][position], bucket["states"][position]
-                flats[position] = {"grad": _flat(bucket["grads"][position], like=param), "param": _flat(param),
-                                   "exp_avg": _flat(state["exp_avg"]), "exp_avg_root": _flat(state["exp_avg_root"])}
+                flats[position] = {
+                    "grad": _flat(bucket["grads"][position], like=param),
+                    "param": _flat(param),
+                    "exp_avg": _flat(state["exp_avg"]),
+                    "exp_avg_root": _flat(state["exp_avg_root"]),
+                }
                 if pack.kahan:
                     flats[position]["kahan_comp"] = _flat(state["kahan_comp"])
             for name, flat in flats[position].items():
-                views[name].append(flat[start:start + length])
+                views[name].append(flat[start : start + length])
         return views
 
     @staticmethod
@@ -442,8 +470,9 @@ class HAdam(Optimizer):
         """float32 ``g`` and the new ``s = hypot((1-β1)|g|, sqrt(β2)·s)`` of a pack."""
         beta1, beta2 = group["betas"]
         grad32 = self._joined(views["grad"]).float()
-        root32 = torch.hypot(grad32.abs().mul_(1.0 - beta1), self._joined(views["exp_avg_root"]).float()
-                             .mul_(math.sqrt(beta2)))
+        root32 = torch.hypot(
+            grad32.abs().mul_(1.0 - beta1), self._joined(views["exp_avg_root"]).float().mul_(math.sqrt(beta2))
+        )
         return grad32, root32
 
     def _fp32_overflows(self, group: dict[str, Any], bucket: dict[str, Any]) -> torch.Tensor:
@@ -474,8 +503,8 @@ class HAdam(Optimizer):
             t = state["step"]
             if capturable:
                 counted = t.clamp_min(1.0).to(torch.float64)  # t >= 1: see the published path
-                root_correction = (1.0 - beta2 ** counted).sqrt().to(torch.float32)
-                step_size = (-lr * (1.0 - beta1) / math.sqrt(1.0 - beta2) / (1.0 - beta1 ** counted)).to(torch.float32)
+                root_correction = (1.0 - beta2**counted).sqrt().to(torch.float32)
+                step_size = (-lr * (1.0 - beta1) / math.sqrt(1.0 - beta2) / (1.0 - beta1**counted)).to(torch.float32)
             else:
                 root_correction = math.sqrt(1.0 - beta2**t)
                 step_size = -lr * (1.0 - beta1) / (math.sqrt(1.0 - beta2) * (1.0 - beta1**t))
@@ -503,8 +532,13 @@ class HAdam(Optimizer):
             del denom32, grad32
             new_root = stochastic_round(root32, dtype, key, counter=counter)
             self._write(views["exp_avg"], avg32.to(dtype), avg16, take, lengths)
-            self._write(views["exp_avg_root"], new_root, None if take is None else
-                        self._joined(views["exp_avg_root"]), take, lengths)
+            self._write(
+                views["exp_avg_root"],
+                new_root,
+                None if take is None else self._joined(views["exp_avg_root"]),
+                take,
+                lengths,
+            )
             del avg32, root32, new_root
             param16 = self._joined(views["param"])
             param32 = param16.float()
@@ -512,8 +546,9 @@ class HAdam(Optimizer):
                 comp16 = self._joined(views["kahan_comp"])
                 update32.sub_(comp16.float())
                 new_param = (param32 + update32).to(dtype)
-                self._write(views["kahan_comp"], new_param.float().sub_(param32).sub_(update32).to(dtype), comp16,
-                            take, lengths)
+                self._write(
+                    views["kahan_comp"], new_param.float().sub_(param32).sub_(update32).to(dtype), comp16, take, lengths
+                )
             else:  # no compensation buffer: round stochastically, so sub-ulp steps add up on average
                 param_key = self._keys([mix_key(k, 1) for k in keys], lengths, device)
                 new_param = stochastic_round(param32.add_(update32), dtype, param_key, counter=counter)
@@ -525,8 +560,9 @@ class HAdam(Optimizer):
         only: no host-built index tensor to copy over, so a CUDA graph can capture it."""
         return torch.cat([value.reshape(1).expand(length) for value, length in zip(values, lengths)])
 
-    def _per_element(self, values: list[float | torch.Tensor], lengths: list[int],
-                     device: torch.device) -> float | torch.Tensor:
+    def _per_element(
+        self, values: list[float | torch.Tensor], lengths: list[int], device: torch.device
+    ) -> float | torch.Tensor:
         """A pack's per-segment scalar: as it is when the pack has one segment or one host
         value (the host path packs equal steps only), else float32 per element -- the same
         IEEE operations as a 0-dim float32 tensor per segment."""
@@ -539,8 +575,15 @@ class HAdam(Optimizer):
         else int32 per element (the key's low 32 bits, all the hash uses)."""
         if len(keys) == 1:
             return keys[0]
-        return self._spread([as_int32(k).to(device) if torch.is_tensor(k)
-                             else torch.tensor(as_int32(k), dtype=torch.int32, device=device) for k in keys], lengths)
+        return self._spread(
+            [
+                as_int32(k).to(device)
+                if torch.is_tensor(k)
+                else torch.tensor(as_int32(k), dtype=torch.int32, device=device)
+                for k in keys
+            ],
+            lengths,
+        )
 
     @staticmethod
     def _counter(pack: _Pack, device: torch.device) -> torch.Tensor:
@@ -548,12 +591,21 @@ class HAdam(Optimizer):
         if len(pack.segments) == 1:
             _, start, length = pack.segments[0]
             return torch.arange(start, start + length, dtype=torch.int32, device=device)
-        return torch.cat([torch.arange(start, start + length, dtype=torch.int32, device=device)
-                          for _, start, length in pack.segments])
+        return torch.cat(
+            [
+                torch.arange(start, start + length, dtype=torch.int32, device=device)
+                for _, start, length in pack.segments
+            ]
+        )
 
     @staticmethod
-    def _write(targets: list[torch.Tensor], value: torch.Tensor, old: torch.Tensor | None,
-               take: torch.Tensor | None, lengths: list[int]) -> None:
+    def _write(
+        targets: list[torch.Tensor],
+        value: torch.Tensor,
+        old: torch.Tensor | None,
+        take: torch.Tensor | None,
+        lengths: list[int],
+    ) -> None:
         """Each segment view ``<- value``'s part, or only where the 0-dim bool ``take`` is true."""
         if take is not None:
             value = torch.where(take, value, old)

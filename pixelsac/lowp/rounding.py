@@ -71,8 +71,9 @@ def mix_key(*parts: int | torch.Tensor) -> int | torch.Tensor:
     return key
 
 
-def random_bits(numel: int, key: int | torch.Tensor, bits: int, device: torch.device | str,
-                offset: int = 0) -> torch.Tensor:
+def random_bits(
+    numel: int, key: int | torch.Tensor, bits: int, device: torch.device | str, offset: int = 0
+) -> torch.Tensor:
     """``numel`` uniform random integers in ``[0, 2^bits)`` (int32), a function of
     ``(key, offset + i)`` only."""
     index_dtype = torch.int32 if offset + numel < 1 << 31 else torch.int64
@@ -95,8 +96,9 @@ def random_bits_at(counter: torch.Tensor, key: int | torch.Tensor, bits: int) ->
     return hashed.bitwise_right_shift_(8).bitwise_and_((1 << bits) - 1)
 
 
-def stochastic_round(x: torch.Tensor, dtype: torch.dtype, key: int | torch.Tensor,
-                     offset: int = 0, counter: torch.Tensor | None = None) -> torch.Tensor:
+def stochastic_round(
+    x: torch.Tensor, dtype: torch.dtype, key: int | torch.Tensor, offset: int = 0, counter: torch.Tensor | None = None
+) -> torch.Tensor:
     """Round the float32 tensor ``x`` stochastically into ``dtype`` (fp16 or bf16), unbiased.
 
     Args:

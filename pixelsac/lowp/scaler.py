@@ -196,8 +196,12 @@ class CompoundLossScaler:
         self.growth_margin = float(growth_margin)
         self.sync_free = bool(sync_free)
         # Host values; in sync-free mode they seed the device tensors at the first step.
-        self._counts: dict[str, float | int] = {"scale": float(init_scale), "clean_steps": 0,
-                                                "skipped_steps": 0, "taken_steps": 0}
+        self._counts: dict[str, float | int] = {
+            "scale": float(init_scale),
+            "clean_steps": 0,
+            "skipped_steps": 0,
+            "taken_steps": 0,
+        }
         self._device_counts: dict[str, torch.Tensor] | None = None
         self._steps_until_growth_check = 0
 
@@ -213,8 +217,9 @@ class CompoundLossScaler:
             self._device_counts[name].fill_(value)
 
     clean_steps = property(lambda self: self._get("clean_steps"), lambda self, v: self._set("clean_steps", int(v)))
-    skipped_steps = property(lambda self: self._get("skipped_steps"),
-                             lambda self, v: self._set("skipped_steps", int(v)))
+    skipped_steps = property(
+        lambda self: self._get("skipped_steps"), lambda self, v: self._set("skipped_steps", int(v))
+    )
     taken_steps = property(lambda self: self._get("taken_steps"), lambda self, v: self._set("taken_steps", int(v)))
 
     @property
@@ -244,8 +249,10 @@ class CompoundLossScaler:
             counts = self._counts
             self._device_counts = {
                 "scale": torch.tensor(float(counts["scale"]), dtype=torch.float32, device=device),
-                **{k: torch.tensor(int(counts[k]), dtype=torch.int64, device=device)
-                   for k in ("clean_steps", "skipped_steps", "taken_steps")},
+                **{
+                    k: torch.tensor(int(counts[k]), dtype=torch.int64, device=device)
+                    for k in ("clean_steps", "skipped_steps", "taken_steps")
+                },
             }
             self._steps_until_growth_check = self.growth_interval + 1 - int(counts["clean_steps"])
         return self._device_counts

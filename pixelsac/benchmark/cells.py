@@ -1,0 +1,213 @@
+"""Measuring the benchmark's cells: one cell in this process or in a fresh one (whose peak
+resident set is the cell's own), and the whole plan, writing results as they come."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pixelsac.benchmark.plan import MODES, CellSpec, Mode, Plan
+from pixelsac.benchmark.report import _cpu_statement, _header, _mib, add_ratios, markdown, write_outputs
+from pixelsac.config import load_config, to_plain
+
+_CELL_MARK = "PIXELSAC_BENCH_ROW "
+
+
+def _compute(cfg: Any, mode: Mode, device_type: str) -> tuple[str, bool]:
+    """What the arithmetic really ran in, and whether half precision was emulated on a CPU."""
+    from pixelsac.precision import PrecisionPolicy
+
+    policy = PrecisionPolicy.from_config(cfg, device_type)
+    if mode.tf32:
+        return "fp32 storage, TF32 tensor cores", False
+    if policy.mode == "fp32":
+        return ("fp32 (IEEE, TF32 off)" if device_type == "cuda" else "fp32"), False
+    if policy.mode == "amp":
+        return ("autocast fp16" + (" (native CPU fp16 kernels)" if device_type == "cpu" else "")), False
+    low = str(policy.param_dtype).removeprefix("torch.")
+    if policy.fp32_accumulate:
+        return f"{low} storage, fp32-accumulated conv/matmul (emulated tensor cores)", True
+    return (f"native CPU {low} kernels" if device_type == "cpu" else f"{low} tensor cores"), False
+
+
+def run_cell(spec: CellSpec) -> dict[str, Any]:
+    """Measure one cell in this process; returns its row (no ratios yet)."""
+    import torch
+
+    from pixelsac.nets import apply_speed_options
+    from pixelsac.perf import synthetic_batch, time_updates
+
+    cfg = load_config(spec.overrides)
+    mode = MODES[spec.mode]
+    device = torch.device(spec.device)  # the module's precision policy sets TF32 (perf.tf32) in its setup
+    batch = synthetic_batch(spec.batch_size, tuple(spec.obs_shape), spec.action_dim, seed=int(cfg.seed))
+    if spec.batch_source == "pinned":
+        batch = {k: v.pin_memory() for k, v in batch.items()}
+    elif spec.batch_source == "device":
+        batch = {k: v.to(device) for k, v in batch.items()}
+
+    def prepare(module: Any) -> None:
+        # the layout is the module's own (perf.channels_last in the cell's overrides)
+        apply_speed_options(module, False, spec.compile, spec.compile_mode, spec.compile_backend)
+
+    timed = time_updates(
+        to_plain(cfg),
+        tuple(spec.obs_shape),
+        spec.action_dim,
+        batch,
+        device,
+        spec.updates,
+        spec.warmup,
+        prepare=prepare,
+        emulation=spec.emulation,
+        tensor_peak=device.type != "cuda" and not spec.compile,
+    )
+    compute, emulated = _compute(cfg, mode, device.type)
+    saved = timed.saved
+    row: dict[str, Any] = {
+        "mode": spec.mode,
+        "variant": spec.variant,
+        "speed_variant": spec.speed_variant,
+        "emulation": spec.emulation or ("saves_low" if emulated else None),
+        "batch_size": spec.batch_size,
+        "device": spec.device,
+        "compute": compute,
+        "emulated": emulated,
+        "updates": len(timed.ms),
+        "warmup": spec.warmup,
+        "ms_mean": timed.mean_ms,
+        "ms_std": timed.std_ms,
+        "ms_median": statistics.median(timed.ms) if timed.ms else math.nan,
+        "ms_min": min(timed.ms) if timed.ms else math.nan,
+        "peak_mem_bytes": timed.peak_bytes,
+        "peak_mem_kind": "cuda_max_allocated" if timed.peak_bytes is not None else "not measured (CPU, in-process)",
+        "rss_peak_bytes": None,
+        "state_bytes": timed.state["total"],
+        "state_parameters": timed.state["parameters"],
+        "state_optimizer": timed.state["optimizer"],
+        "state_target": timed.state["target"],
+        "state_groups": timed.state_groups,
+        "saved_bytes": saved.activations if saved else None,
+        "saved_state_bytes": saved.state if saved else None,
+        "saved_peak_live_bytes": saved.peak_live_activations if saved else None,
+        "saved_by_dtype": saved.by_dtype if saved else None,
+        "tensor_peak_bytes": timed.tensor_peak_bytes,
+        "ms_by_form": timed.ms_by_form,
+        "finite_after_first_update": timed.finite_after_first,
+        "finite_at_end": timed.finite_at_end,
+        **{f"skipped_{k}": v for k, v in timed.skipped.items()},
+        **{f"loss_scale_{k}": v for k, v in timed.loss_scales.items()},
+        "status": "ok",
+    }
+    return row
+
+
+def cell_main(spec_json: str) -> int:
+    """Child-process entry: measure one cell and print its row; the peak RSS is this process's."""
+    from pixelsac.perf import rss_bytes, rss_peak_bytes
+
+    spec = CellSpec(**json.loads(spec_json))
+    apply_threads(spec.overrides)
+    baseline = rss_bytes()  # libraries imported, nothing of the agent built yet
+    row = run_cell(spec)
+    peak = rss_peak_bytes()
+    if spec.device == "cpu" and baseline is not None:
+        row["peak_mem_bytes"] = max(peak - baseline, 0)
+        row["peak_mem_kind"] = "rss_peak_above_baseline (fresh process)"
+        row["rss_peak_bytes"] = peak
+    print(_CELL_MARK + json.dumps(row), flush=True)
+    return 0
+
+
+def apply_threads(overrides: list[str]) -> None:
+    import torch
+
+    threads = load_config(overrides).train.num_threads
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def run_cell_isolated(spec: CellSpec) -> dict[str, Any]:
+    """Measure one cell in a fresh Python process (its peak RSS is the cell's own)."""
+    package_root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, "-m", "pixelsac.bench", "--cell", json.dumps(dataclasses.asdict(spec))],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    for line in result.stdout.splitlines():
+        if line.startswith(_CELL_MARK):
+            return json.loads(line[len(_CELL_MARK) :])
+    tail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"cell process exited {result.returncode}: {tail}")
+
+
+def _measure(plan: Plan, spec: CellSpec) -> dict[str, Any]:
+    try:
+        return run_cell_isolated(spec) if plan.isolate else run_cell(spec)
+    except Exception as exc:  # one broken cell (a compile failure, out of memory) must not lose the rest
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return {
+            "mode": spec.mode,
+            "variant": spec.variant,
+            "speed_variant": spec.speed_variant,
+            "batch_size": spec.batch_size,
+            "device": spec.device,
+            "status": f"failed: {type(exc).__name__}: {message}"[:300],
+        }
+
+
+def run_plan(plan: Plan) -> list[dict[str, Any]]:
+    """Measure every cell (a failing cell is recorded, not fatal), writing results as they come;
+    then the interleaved timings of the emulation's two forms (``bench.emulation_saves=both``)."""
+    rows: list[dict[str, Any]] = []
+    interleaved: list[dict[str, Any]] = []
+    header = _header(plan)
+    print("\n".join(header))
+    for line in _cpu_statement([], plan.device):
+        print(line)
+    for spec in plan.cells:
+        label = f"{spec.mode}{' ' + spec.variant if spec.variant else ''} batch {spec.batch_size}"
+        row = _measure(plan, spec)
+        rows.append(row)
+        add_ratios(rows)
+        if row["status"] == "ok":
+            flag = "" if row["finite_at_end"] else "  [non-finite parameters: timed anyway]"
+            print(
+                f"{label}: {row['ms_mean']:,.2f} ± {row['ms_std']:,.2f} ms/update ({row['compute']}), "
+                f"peak {_mib(row['peak_mem_bytes'])} MiB, saved for backward {_mib(row.get('saved_bytes'))} MiB, "
+                f"state {_mib(row['state_bytes'])} MiB{flag}",
+                flush=True,
+            )
+        else:
+            print(f"{label}: {row['status']}", flush=True)
+        write_outputs(plan, rows, header, with_chart=False, interleaved=interleaved)
+    for spec in plan.interleaved:
+        row = _measure(plan, spec)
+        interleaved.append(row)
+        if row["status"] == "ok":
+            forms = row["ms_by_form"]
+            print(
+                f"{spec.mode} batch {spec.batch_size}, the emulation's forms interleaved: saves fp32 "
+                f"{statistics.fmean(forms['saves_fp32']):,.1f} ms, saves fp16/bf16 "
+                f"{statistics.fmean(forms['saves_low']):,.1f} ms per update",
+                flush=True,
+            )
+        else:
+            print(f"{spec.mode} batch {spec.batch_size} interleaved: {row['status']}", flush=True)
+        write_outputs(plan, rows, header, with_chart=False, interleaved=interleaved)
+    write_outputs(plan, rows, header, with_chart=True, interleaved=interleaved)
+    print()
+    print(markdown(plan, rows, header, interleaved))
+    print(f"wrote {plan.out / 'bench.csv'}, bench.md, bench.json, bench.png")
+    return rows

@@ -1,0 +1,504 @@
+"""The benchmark's plan: precision modes, ``bench.*`` options, and the checked list of cells
+(mode x batch size x speed option), each a training configuration composed and validated
+before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import difflib
+import math
+from pathlib import Path
+from typing import Any
+
+from pixelsac import cli
+from pixelsac.config import COMPILE_MODES, SIX, ConfigError, load_config, parse_overrides
+
+
+class BenchError(ConfigError):
+    """A bad benchmark option (exit code 2, nothing written)."""
+
+
+# --- modes -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One precision mode: the config overrides that make it, and where it can run."""
+
+    name: str
+    overrides: tuple[str, ...]
+    what: str
+    tf32: bool = False  # TF32 tensor-core matmuls and convolutions (GPU)
+    only_on: str | None = None  # "cuda" or "cpu": skipped elsewhere, with a note
+
+
+def _modes() -> dict[str, Mode]:
+    modes = [
+        Mode("fp32", ("precision=fp32", "lowp.all=false"), "fp32, DrQ as published (on a GPU: IEEE fp32, TF32 off)"),
+        Mode(
+            "tf32",
+            ("precision=fp32", "lowp.all=false", "perf.tf32=true"),
+            "fp32 parameters, TF32 tensor-core matmuls and convolutions",
+            tf32=True,
+            only_on="cuda",
+        ),
+        Mode("amp", ("precision=amp",), "fp32 parameters, autocast fp16, one GradScaler per optimizer"),
+        Mode("bf16", ("precision=bf16",), "pure bf16 (five modifications; bf16 needs no loss scaling)"),
+        Mode("fp16-naive", ("precision=fp16", "lowp.all=false"), "pure fp16 without the six (naive fp16)"),
+        Mode(
+            "fp16",
+            ("precision=fp16", "lowp.all=true"),
+            "pure fp16 with the six modifications, unbiased moments and the lean state (the default)",
+        ),
+        Mode(
+            "fp16-six",
+            ("precision=fp16", "lowp.all=true", "lowp.unbiased_moments=false", "lowp.derived_target=false"),
+            "pure fp16 with the six as published (no unbiased moments, stored target)",
+        ),
+        Mode(
+            "bf16-six",
+            ("precision=bf16", "lowp.unbiased_moments=false", "lowp.derived_target=false"),
+            "pure bf16, the five as published",
+        ),
+        Mode(
+            "fp16-native",
+            ("precision=fp16", "lowp.all=true", "lowp.fp32_accumulate=false"),
+            "fp16 + six on the CPU's native fp16 kernels (fp32-accumulate emulation off)",
+            only_on="cpu",
+        ),
+    ]
+    modes += [
+        Mode(
+            f"fp16-no-{switch}",
+            ("precision=fp16", "lowp.all=true", f"lowp.{switch}=false"),
+            f"fp16 + six without {switch} (ablation)",
+        )
+        for switch in SIX
+    ]
+    return {mode.name: mode for mode in modes}
+
+
+MODES = _modes()
+DEFAULT_MODES = ("fp32", "tf32", "amp", "bf16", "fp16-naive", "fp16", "fp16-native")
+ABLATIONS = ("fp16-six", "bf16-six", *(f"fp16-no-{switch}" for switch in SIX))
+
+
+# --- options ---------------------------------------------------------------------------------
+_ON_OFF = ("off", "on", "both")
+_AUTO_ON_OFF = ("auto", "off", "on", "both")
+_BATCH_SOURCES = ("host", "pinned", "device")
+
+#: bench.* options: name -> (default, help)
+OPTIONS: dict[str, tuple[Any, str]] = {
+    "modes": (",".join(DEFAULT_MODES), "comma-separated modes: " + ", ".join(MODES) + "; 'all' = defaults + ablations"),
+    "ablations": (False, "also run fp16 minus each one of the six switches"),
+    "batch_sizes": (None, "comma-separated batch sizes (default: agent.batch_size)"),
+    "updates": (None, "timed updates per cell (default: 500 on a GPU, as the paper; 3 on a CPU)"),
+    "warmup": (None, "untimed updates before timing (default: 20 on a GPU, 1 on a CPU)"),
+    "channels_last": (
+        "auto",
+        "NHWC memory format for the conv trunk (perf.channels_last): auto (the training default: "
+        "on a CPU, on a GPU for fp16/bf16/AMP) | off | on | both",
+    ),
+    "compile": ("off", "torch.compile the networks (trunk, projections, Q heads, actor): off | on | both"),
+    "compile_mode": ("default", "torch.compile mode: " + " | ".join(COMPILE_MODES) + " (inductor only)"),
+    "compile_backend": ("inductor", "torch.compile backend (eager / aot_eager to check the wiring cheaply)"),
+    "sync_free": (
+        "auto",
+        "device-side loss-scale decisions + index random shift (perf.sync_free, perf.aug_backend) "
+        "vs host decisions + kornia crop: auto (the device's default) | off | on | both",
+    ),
+    "cuda_graphs": (
+        "off",
+        "replay each update as a CUDA graph (perf.cuda_graphs; GPU only, implies sync_free): off | on | both",
+    ),
+    "batch": (
+        "auto",
+        "where each update's batch comes from: host (pageable) | pinned (page-locked host) | "
+        "device (already on the GPU, as replay.device=auto gives) | all; auto = the training "
+        "default (pinned on a GPU, host on a CPU)",
+    ),
+    "emulation_saves": (
+        "low",
+        "what the CPU emulation of fp16/bf16 tensor cores (lowp.fp32_accumulate) saves for "
+        "backward in emulated cells: low (the fp16/bf16 inputs, as a GPU; the default) | "
+        "fp32 (their fp32 copies, the earlier form) | both (each in its own cell, plus the two "
+        "interleaved update by update in one process for their cost in ms)",
+    ),
+    "isolate": (
+        None,
+        "one fresh process per cell, so a CPU's peak RSS is the cell's own "
+        "(default: true on a CPU, false on a GPU where the CUDA allocator resets its peak)",
+    ),
+    "device": ("auto", "auto | cpu | cuda"),
+    "out": (None, "output folder (default: runs/bench/<date>-<time>)"),
+    "overwrite": (False, "allow writing into an existing, non-empty output folder"),
+}
+
+OPTIONS_USAGE = "\nbench.* options:\n" + "\n".join(
+    f"  bench.{name:<16} {help_text}" + ("" if default is None else f" [default: {str(default).lower()}]")
+    for name, (default, help_text) in OPTIONS.items()
+)
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    modes: list[str]
+    batch_sizes: list[int] | None
+    updates: int | None
+    warmup: int | None
+    channels_last: str
+    compile: str
+    compile_mode: str
+    compile_backend: str
+    sync_free: str
+    cuda_graphs: str
+    batch: list[str] | None
+    isolate: bool | None
+    emulation_saves: str
+    device: str
+    out: str | None
+    overwrite: bool
+
+
+def _as_list(key: str, value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    return [value]
+
+
+def _positive_int(key: str, value: Any, low: int = 1) -> int:
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = "a positive integer" if low > 0 else "an integer >= 0"
+        raise BenchError(f"bench.{key}={value!r} must be {what}")
+    return value
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value is True:
+        value = "on"
+    elif value is False:
+        value = "off"
+    if value not in choices:
+        raise BenchError(f"bench.{key}={value!r}; choose one of {', '.join(choices)}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise BenchError(f"bench.{key}={value!r} takes true or false")
+    return value
+
+
+def parse_options(given: dict[str, Any]) -> BenchOptions:
+    """Check and convert the ``bench.*`` options (without the prefix); raise BenchError."""
+    for key in given:
+        if key not in OPTIONS:
+            close = difflib.get_close_matches(key, list(OPTIONS), n=1, cutoff=0.6)
+            hint = f" (did you mean 'bench.{close[0]}'?)" if close else ""
+            raise BenchError(
+                f"unknown key 'bench.{key}'{hint}; bench options: " + ", ".join(f"bench.{k}" for k in OPTIONS)
+            )
+    value = {k: given.get(k, default) for k, (default, _) in OPTIONS.items()}
+
+    modes: list[str] = []
+    for name in _as_list("modes", value["modes"]):
+        names = [*DEFAULT_MODES, *ABLATIONS] if name == "all" else [name]
+        for each in names:
+            if each not in MODES:
+                close = difflib.get_close_matches(str(each), list(MODES), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise BenchError(f"unknown mode {each!r}{hint}; modes: {', '.join(MODES)}")
+            if each not in modes:
+                modes.append(each)
+    if _bool("ablations", value["ablations"]):
+        modes += [name for name in ABLATIONS if name not in modes]
+    if not modes:
+        raise BenchError("bench.modes is empty; modes: " + ", ".join(MODES))
+
+    batch_sizes = None
+    if value["batch_sizes"] is not None:
+        batch_sizes = [_positive_int("batch_sizes", b) for b in _as_list("batch_sizes", value["batch_sizes"])]
+        if not batch_sizes:
+            raise BenchError("bench.batch_sizes is empty")
+    isolate = value["isolate"]
+    if isolate is not None and isolate != "auto":
+        isolate = _bool("isolate", isolate)
+    elif isolate == "auto":
+        isolate = None
+    out = value["out"]
+    if out is not None and (not isinstance(out, str) or not out.strip()):
+        raise BenchError(f"bench.out={out!r} must be a folder path")
+    batch = None
+    if value["batch"] != "auto":
+        names = _as_list("batch", value["batch"])
+        batch = list(_BATCH_SOURCES) if names == ["all"] else names
+        for name in batch:
+            if name not in _BATCH_SOURCES:
+                raise BenchError(f"bench.batch={value['batch']!r}; choose from auto, all, {', '.join(_BATCH_SOURCES)}")
+    backend = value["compile_backend"]
+    if not isinstance(backend, str) or not backend:
+        raise BenchError(f"bench.compile_backend={backend!r} must be a backend name such as inductor")
+    return BenchOptions(
+        modes=modes,
+        batch_sizes=batch_sizes,
+        updates=None if value["updates"] is None else _positive_int("updates", value["updates"]),
+        warmup=None if value["warmup"] is None else _positive_int("warmup", value["warmup"], low=0),
+        channels_last=_choice("channels_last", value["channels_last"], _AUTO_ON_OFF),
+        compile=_choice("compile", value["compile"], _ON_OFF),
+        compile_mode=_choice("compile_mode", value["compile_mode"], COMPILE_MODES),
+        compile_backend=backend,
+        sync_free=_choice("sync_free", value["sync_free"], _AUTO_ON_OFF),
+        cuda_graphs=_choice("cuda_graphs", value["cuda_graphs"], _ON_OFF),
+        batch=batch,
+        isolate=isolate,
+        emulation_saves=_choice("emulation_saves", value["emulation_saves"], ("low", "fp32", "both")),
+        device=_choice("device", value["device"], ("auto", "cpu", "cuda")),
+        out=out,
+        overwrite=_bool("overwrite", value["overwrite"]),
+    )
+
+
+def split_arguments(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """``bench.*`` options (typed, prefix removed) and the training-config overrides."""
+    bench: dict[str, Any] = {}
+    rest: list[str] = []
+    for item in argv:
+        if item.strip().startswith("bench."):
+            ((key, value),) = parse_overrides([item]).items()
+            bench[key.removeprefix("bench.")] = value
+        else:
+            rest.append(item)
+    return bench, rest
+
+
+# --- one cell's spec --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class CellSpec:
+    """Everything one measurement needs, as plain data (it crosses a process boundary)."""
+
+    mode: str
+    overrides: list[str]  # the user's overrides, then the mode's, then the batch size
+    batch_size: int
+    channels_last: bool | None  # None: the training default (perf.channels_last=null), unlabelled
+    compile: bool
+    compile_mode: str
+    compile_backend: str
+    updates: int
+    warmup: int
+    device: str
+    obs_shape: list[int]
+    action_dim: int
+    sync_free: bool | None = None  # None: the device's default, unlabelled
+    batch_source: str = "host"
+    label_batch: bool = False  # name the batch source in the variant (it was asked for)
+    cuda_graphs: bool = False
+    emulation: str | None = None  # perf.time_updates(emulation=...): saves_low | saves_fp32 | interleaved
+    label_emulation: bool = False  # name the emulation's form in the variant (it was asked for)
+
+    @property
+    def speed_variant(self) -> str:
+        """The speed switches: what an fp32 row must share to be this row's reference."""
+        names = [] if self.channels_last is None else ["channels_last" if self.channels_last else "nchw"]
+        if self.compile:
+            names.append("compile")
+        if self.sync_free is not None:
+            names.append("sync_free" if self.sync_free else "host_sync")
+        if self.cuda_graphs:
+            names.append("cuda_graphs")
+        if self.label_batch:
+            names.append(f"{self.batch_source}_batch")
+        return "+".join(names)
+
+    @property
+    def variant(self) -> str:
+        if self.label_emulation and self.emulation is not None:
+            return "+".join(name for name in (self.speed_variant, self.emulation) if name)
+        return self.speed_variant
+
+
+# --- the plan --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Plan:
+    """A checked benchmark: every cell's configuration was composed and validated."""
+
+    options: BenchOptions
+    overrides: list[str]
+    cfg: Any
+    device: str
+    out: Path
+    cells: list[CellSpec]
+    notes: list[str]
+    replay: dict[str, Any]
+    isolate: bool
+    interleaved: list[CellSpec] = dataclasses.field(default_factory=list)  # bench.emulation_saves=both
+
+
+def _shapes(cfg: Any) -> tuple[tuple[int, ...], int, tuple[int, ...], Any]:
+    """Observation shape, action size, frame shape and dtype of the configured task (no rendering)."""
+    env = cli.env_from_config(cfg, cfg.seed)
+    try:
+        return tuple(env.obs_shape), env.action_dim, tuple(env.frame_shape), env.frame_dtype
+    finally:
+        env.close()
+
+
+def _emulates(cell_cfg: Any, device: str) -> bool:
+    """Whether this cell's policy runs the CPU emulation of fp16/bf16 tensor cores."""
+    from pixelsac.precision import PrecisionPolicy
+
+    policy = PrecisionPolicy.from_config(cell_cfg, device)
+    return policy.mode != "amp" and policy.fp32_accumulate
+
+
+def make_plan(argv: list[str]) -> Plan:
+    """Check every argument and compose every cell's configuration; writes nothing.
+
+    Raises ConfigError, EnvError or BenchError with a one-line message."""
+    given, overrides = split_arguments(argv)
+    options = parse_options(given)
+    from pixelsac.envs import available_tasks
+
+    cfg = load_config(overrides, valid_tasks=available_tasks())
+    import torch
+
+    device = options.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise BenchError("bench.device=cuda but torch sees no CUDA device")
+    out = (
+        Path(options.out) if options.out else Path("runs") / "bench" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    )
+    cli.check_out_dir(out, options.overwrite, "bench.out", overwrite_key="bench.overwrite")
+    on_gpu = device == "cuda"
+    updates = options.updates or (500 if on_gpu else 3)
+    warmup = options.warmup if options.warmup is not None else (20 if on_gpu else 1)
+    batch_sizes = options.batch_sizes or [int(cfg.agent.batch_size)]
+    obs_shape, action_dim, frame_shape, frame_dtype = _shapes(cfg)
+
+    notes: list[str] = []
+    modes = []
+    for name in options.modes:
+        mode = MODES[name]
+        if mode.only_on is not None and mode.only_on != device:
+            notes.append(
+                f"{name}: skipped on a {device.upper() if on_gpu else 'CPU'} -- "
+                + (
+                    "TF32 is a GPU tensor-core format"
+                    if name == "tf32"
+                    else "fp32-accumulate emulation exists only on a CPU, so it would repeat fp16"
+                )
+            )
+            continue
+        modes.append(mode)
+    layouts = {"off": [False], "on": [True], "both": [False, True], "auto": [None]}
+    sources = options.batch or ["pinned" if on_gpu else "host"]
+    if not on_gpu and sources != ["host"]:
+        notes.append(
+            "batch sources pinned and device: skipped on a CPU -- page-locked memory and a separate "
+            "device exist only with CUDA (a CPU batch is already where the update runs)"
+        )
+        sources = ["host"]
+    graph_settings = layouts[options.cuda_graphs]
+    if not on_gpu and True in graph_settings:
+        notes.append("cuda_graphs: skipped on a CPU -- CUDA graphs record GPU kernel launches")
+        graph_settings = [False]
+    cells: list[CellSpec] = []
+    interleaved: list[CellSpec] = []
+    for batch_size in batch_sizes:
+        for channels_last in layouts[options.channels_last]:
+            for compile in layouts[options.compile]:
+                for sync_free in layouts[options.sync_free]:
+                    for graphs in graph_settings:
+                        if graphs and sync_free is False:
+                            continue  # a graph cannot hold a step that reads the device
+                        for source in sources:
+                            for mode in modes:
+                                sync = True if graphs else sync_free  # a graph needs the sync-free step
+                                speed = (
+                                    []
+                                    if sync is None
+                                    else [
+                                        f"perf.sync_free={str(sync).lower()}",
+                                        f"perf.aug_backend={'index' if sync else 'kornia'}",
+                                    ]
+                                )
+                                if graphs:
+                                    speed.append("perf.cuda_graphs=true")
+                                if channels_last is not None:
+                                    speed.append(f"perf.channels_last={str(channels_last).lower()}")
+                                cell_overrides = [*overrides, *mode.overrides, *speed, f"agent.batch_size={batch_size}"]
+                                cell_cfg = load_config(cell_overrides)  # a mode clashing with the overrides fails now
+                                if graphs:
+                                    from pixelsac.graphs import graph_conflicts
+
+                                    conflict = graph_conflicts(cell_cfg, device, 1)
+                                    if conflict:
+                                        notes.append(f"{mode.name} with cuda_graphs: skipped -- {conflict}")
+                                        continue
+                                spec = CellSpec(
+                                    mode.name,
+                                    cell_overrides,
+                                    batch_size,
+                                    channels_last,
+                                    compile,
+                                    options.compile_mode,
+                                    options.compile_backend,
+                                    updates,
+                                    warmup,
+                                    device,
+                                    list(obs_shape),
+                                    action_dim,
+                                    sync_free,
+                                    source,
+                                    label_batch=options.batch is not None and on_gpu,
+                                    cuda_graphs=graphs,
+                                )
+                                if options.emulation_saves == "low" or not _emulates(cell_cfg, device):
+                                    cells.append(spec)
+                                    continue
+                                forms = (
+                                    ["saves_fp32", "saves_low"] if options.emulation_saves == "both" else ["saves_fp32"]
+                                )  # the earlier form first: the base of 'vs switches off'
+                                cells += [
+                                    dataclasses.replace(spec, emulation=form, label_emulation=True) for form in forms
+                                ]
+                                if options.emulation_saves == "both":
+                                    interleaved.append(
+                                        dataclasses.replace(
+                                            spec,
+                                            emulation="interleaved",
+                                            updates=4 * math.ceil(max(updates, 4) / 4),
+                                            warmup=max(warmup, 2),
+                                        )
+                                    )
+    if not cells:
+        raise BenchError(f"nothing to run on a {device}: " + "; ".join(notes))
+    if options.emulation_saves != "low" and not any(cell.emulation for cell in cells):
+        notes.append(
+            f"emulation_saves={options.emulation_saves}: no cell emulates fp16/bf16 tensor cores "
+            "(that is fp16/bf16 on a CPU with lowp.fp32_accumulate on)"
+        )
+    from pixelsac.replay import ReplayBuffer
+
+    # bytes per transition do not depend on capacity; a tiny buffer allocates almost nothing
+    replay = ReplayBuffer(
+        cfg.env.frame_stack + 8,
+        frame_shape,
+        frame_dtype,
+        cfg.env.frame_stack if cfg.env.obs == "pixels" else 1,
+        action_dim,
+    )
+    replay_info = {
+        "bytes_per_transition": replay.bytes_per_transition,
+        "capacity": int(cfg.replay.capacity),
+        "frame_shape": list(frame_shape),
+        "frame_dtype": str(frame_dtype),
+        "action_dim": action_dim,
+    }
+    isolate = options.isolate if options.isolate is not None else not on_gpu
+    return Plan(options, overrides, cfg, device, out, cells, notes, replay_info, isolate, interleaved)

@@ -1,0 +1,158 @@
+"""What every command-line entry point shares (``train``, ``evaluate``, ``bench``).
+
+* Exit codes: 0 done, :data:`EXIT_BAD_INPUT` (2) for anything the user can fix -- an unknown
+  key, a wrong type, an unknown task, a missing file, an unusable checkpoint, no OpenGL -- said
+  in one ``error: ...`` line before anything is written, :data:`EXIT_NUMERICAL_FAILURE` (3) for
+  a run stopped by non-finite numbers, :data:`EXIT_STOPPED` (75) for a run stopped by a signal
+  with its work saved. :func:`run_command` maps the exceptions to them, once for all three.
+* :func:`resolve_device` (``auto``/``cpu``/``cuda[:N]``), :func:`env_from_config` (the env a
+  configuration describes), :func:`check_out_dir` (the "folder not empty" refusal) and
+  :func:`quiet_lightning` (Lightning's start-up chatter off).
+
+Heavy libraries (torch, dm_control) are imported where they are used, so ``--help`` and a
+mistyped key answer at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from pixelsac.config import ConfigError
+
+EXIT_BAD_INPUT = 2
+EXIT_NUMERICAL_FAILURE = 3
+#: A run stopped by a signal, its work saved (or nothing new to save): EX_TEMPFAIL, "try again
+#: later" -- run the same command with resume=auto (or resume=RUN_DIR) to continue.
+EXIT_STOPPED = 75
+
+#: Lightning's notes about choices pixelsac makes on purpose (a single-process iterable loader,
+#: ``training_step(dataloader_iter)``, a run directory that holds our config, ...).
+_LIGHTNING_CHATTER = (
+    "does not have many workers",
+    "IterableDataset",
+    "Total length of `DataLoader`",
+    "LeafSpec",
+    "smaller than the logging interval",
+    "dataloader_iter",
+    "experimental",
+    "exists and is not empty",
+    "resuming from a checkpoint that ended",
+)
+
+
+class UsageError(ValueError):
+    """A problem with what the user asked for (exit code 2)."""
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    return any(a in ("-h", "--help", "help") for a in argv)
+
+
+def _bad_input_errors() -> tuple[type[BaseException], ...]:
+    from pixelsac.checkpoint import CheckpointError
+    from pixelsac.envs import EnvError
+    from pixelsac.envs.vector import EnvWorkerError
+
+    return (ConfigError, UsageError, CheckpointError, EnvError, EnvWorkerError)
+
+
+def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, usage: str) -> int:
+    """Run an entry point's ``body(argv)`` and turn what it raises into one line and an exit code:
+    ``-h``/``--help`` prints ``usage``; bad input exits 2; a numerical failure exits 3."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(usage)
+        return 0
+    from pixelsac.precision import NumericalFailure
+
+    try:
+        return body(argv)
+    except _bad_input_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except NumericalFailure as failure:
+        print(f"error: training stopped: {failure}", file=sys.stderr)
+        return EXIT_NUMERICAL_FAILURE
+
+
+def resolve_device(name: str) -> Any:
+    """``auto`` -> cuda when available, else cpu; a cuda device that is missing is a ConfigError."""
+    import torch
+
+    name = str(name).strip()
+    if name not in ("auto", "cpu") and not name.startswith("cuda"):
+        raise ConfigError(f"device={name!r}; choose auto, cpu, cuda or cuda:N")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name} but torch sees no CUDA device; use device=cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"device={name!r} is not a torch device ({exc})") from None
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device={name}, but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+#: the env keys of a configuration that build a :class:`pixelsac.envs.DMCEnv`
+ENV_KEYS = ("obs", "image_size", "frame_stack", "action_repeat", "camera_id", "episode_frames")
+
+
+def env_kwargs(config: Any) -> dict[str, Any]:
+    """``DMCEnv`` keyword arguments from a configuration's ``env`` group (an OmegaConf config or
+    the plain dict a checkpoint stores); a missing key is a ConfigError."""
+    env = config["env"]
+    try:
+        return {key: env[key] for key in ENV_KEYS}
+    except (KeyError, TypeError) as exc:
+        raise ConfigError(f"the configuration has no usable env settings (missing {exc})") from None
+
+
+def env_from_config(config: Any, seed: int) -> Any:
+    """The environment a configuration (``task`` and ``env.*``) describes, seeded with ``seed``."""
+    from pixelsac.envs import DMCEnv
+
+    return DMCEnv(config["task"], seed=seed, **env_kwargs(config))
+
+
+def out_dir_is_free(path: Path) -> bool:
+    """Nothing there yet, or an empty folder."""
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+def check_out_dir(
+    path: str | Path, overwrite: bool, what: str = "out_dir", hint: str = "", overwrite_key: str = "overwrite"
+) -> Path:
+    """``path`` when it may be written: absent, empty, or ``overwrite``; else a UsageError that
+    names the ways out (``what=...``, ``overwrite_key=true``, and ``hint``, e.g. ``resume=...``)."""
+    path = Path(path)
+    if not overwrite and not out_dir_is_free(path):
+        ways = f"choose another {what}=..., pass {overwrite_key}=true" + (f", or {hint}" if hint else "")
+        raise UsageError(f"{what} {path} already exists and is not empty; {ways}")
+    return path
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Lightning's start-up lines (tips, device lines, loader notes) say nothing a pixelsac user
+    can act on; pixelsac's own lines say which device and precision run. Warnings that matter
+    still show, and the logger levels are restored afterwards."""
+    names = ("lightning.pytorch", "lightning.fabric")
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            for pattern in _LIGHTNING_CHATTER:
+                warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)

@@ -1,0 +1,81 @@
+"""What an update costs -- time and memory of the SAC update step, measured where it runs.
+
+One job per file:
+
+* :mod:`pixelsac.perf.meters` -- clocks and memory probes: :class:`UpdateClock`,
+  :class:`PeakMemory`, :class:`SavedTensorMeter`, :class:`TensorPeakMeter`,
+  :func:`state_groups`, and the :class:`UpdateTimer` callback that times each update.
+* :mod:`pixelsac.perf.calibration` -- :func:`time_updates`: a fresh agent's real update step
+  timed on one batch (the start-up fp32 reference and ``python -m pixelsac.bench``).
+* :mod:`pixelsac.perf.tracker` -- :class:`PerfTracker`, the run's callback: throughput, ms and
+  memory per update against the fp32 reference, in the logs and the summary.
+* :mod:`pixelsac.perf.summary` -- the end-of-run summary: plain data, table, JSON, markdown.
+"""
+
+from pixelsac.perf.calibration import (
+    EMULATION_CHOICES,
+    EMULATION_FORMS,
+    Fp32Reference,
+    TimedUpdates,
+    fp32_reference_config,
+    interleaved_forms,
+    synthetic_batch,
+    time_updates,
+)
+from pixelsac.perf.meters import (
+    MIB,
+    PeakMemory,
+    SavedBytes,
+    SavedTensorMeter,
+    TensorPeakMeter,
+    UpdateClock,
+    UpdateTimer,
+    group_ratios,
+    module_state_tensors,
+    parameters_finite,
+    ratio,
+    rss_bytes,
+    rss_peak_bytes,
+    speedup,
+    state_groups,
+)
+from pixelsac.perf.summary import (
+    MEMORY_FIGURES,
+    build_summary,
+    format_summary,
+    summary_rows,
+    write_summary,
+)
+from pixelsac.perf.tracker import PerfTracker
+
+__all__ = [
+    "EMULATION_CHOICES",
+    "EMULATION_FORMS",
+    "MEMORY_FIGURES",
+    "MIB",
+    "Fp32Reference",
+    "PeakMemory",
+    "PerfTracker",
+    "SavedBytes",
+    "SavedTensorMeter",
+    "TensorPeakMeter",
+    "TimedUpdates",
+    "UpdateClock",
+    "UpdateTimer",
+    "build_summary",
+    "format_summary",
+    "fp32_reference_config",
+    "group_ratios",
+    "interleaved_forms",
+    "module_state_tensors",
+    "parameters_finite",
+    "ratio",
+    "rss_bytes",
+    "rss_peak_bytes",
+    "speedup",
+    "state_groups",
+    "summary_rows",
+    "synthetic_batch",
+    "time_updates",
+    "write_summary",
+]

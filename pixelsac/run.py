@@ -1,0 +1,275 @@
+"""A training run assembled: environments, replay, agent, collector, callbacks, Trainer, loggers.
+
+:func:`build_run` builds everything a run is made of from a validated configuration and checks
+it (devices, GL, the budget, the run directory) before anything is written; :func:`attach_loggers`
+then gives the Trainer its CSV and TensorBoard loggers, keeping on resume the rows up to the
+checkpoint. ``python -m pixelsac.train`` (:mod:`pixelsac.train`) fits the result.
+
+Seeds derived from ``seed`` (see :mod:`pixelsac.config`): rank ``r`` of a data-parallel run
+collects with ``seed + RANK_SEED_STRIDE * r`` (env ``i`` of a vector: ``+ i``), the evaluation
+episodes that choose ``best.ckpt`` use ``seed + EVAL_SEED_OFFSET``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pixelsac import cli
+from pixelsac.cli import UsageError
+from pixelsac.config import EVAL_SEED_OFFSET, RANK_SEED_STRIDE, ConfigError, to_plain
+
+
+@dataclass
+class Run:
+    """Everything a training run is made of, built and checked before anything is written."""
+
+    cfg: Any
+    run_dir: Path
+    env: Any
+    eval_env: Any
+    replay: Any
+    module: Any
+    collector: Any
+    stream: Any
+    trainer: Any
+    resume_from: Path | None = None  # the checkpoint a resumed run continues from
+    stopper: Any = None  # the StopOnSignal callback, when stop signals are handled
+    exit_code: int = 0  # what the command exits with: 0 done, EXIT_STOPPED, EXIT_NUMERICAL_FAILURE
+
+
+def default_run_dir(cfg: Any) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / cfg.task / f"{stamp}_{cfg.precision}_s{cfg.seed}"
+
+
+SPAWNING_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")
+
+
+def make_trainer(cfg: Any) -> Any:
+    """The Lightning Trainer from ``cfg.trainer`` (callbacks and loggers are attached later).
+
+    ``strategy=ddp`` becomes DDP with ``find_unused_parameters``: SAC backpropagates three losses
+    per step, each through a different part of the module.
+    """
+    import lightning as L
+
+    args = dict(cfg.trainer)
+    strategy = args.get("strategy", "auto")
+    if isinstance(strategy, str) and strategy in SPAWNING_STRATEGIES:
+        raise UsageError(
+            f"trainer.strategy={strategy} is not supported: it pickles the run into new processes "
+            "(environments and GL contexts do not pickle); use trainer.strategy=ddp"
+        )
+    several = args.get("devices", 1) not in (1, "1", [0]) or args.get("num_nodes", 1) > 1
+    if strategy == "ddp" or (strategy == "auto" and several):  # "auto" would pick plain DDP
+        args["strategy"] = "ddp_find_unused_parameters_true"
+    try:
+        with cli.quiet_lightning():
+            return L.Trainer(
+                **args,
+                max_epochs=-1,
+                precision="32-true",
+                logger=False,
+                callbacks=[],
+                enable_checkpointing=False,
+                default_root_dir=cfg.run_dir or None,
+            )
+    except Exception as exc:  # Lightning's own validation of accelerator/devices/strategy...
+        raise UsageError(f"invalid trainer settings: {str(exc).splitlines()[0]}") from exc
+
+
+def shared_run_dir(cfg: Any, rank: int) -> Path:
+    """The run directory, the same on every rank: Lightning's DDP launcher re-runs this command
+    for ranks > 0, which find the directory rank 0 chose in the environment it passes on."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir)
+    if rank > 0 and os.environ.get("PIXELSAC_RUN_DIR"):
+        return Path(os.environ["PIXELSAC_RUN_DIR"])
+    run_dir = default_run_dir(cfg)
+    os.environ["PIXELSAC_RUN_DIR"] = str(run_dir)
+    return run_dir
+
+
+def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, resume_world: int | None = None) -> Run:
+    """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing.
+
+    With several processes (``trainer.devices``/``num_nodes``), each rank owns its environments,
+    replay buffer and seed stream (seeds offset by 1000 per rank); the weights start identical.
+    ``stop`` (a :class:`pixelsac.stopping.StopRequest`) adds the stop-on-signal callback;
+    ``resume_world`` is the number of ranks that wrote the checkpoint resumed from.
+    """
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import TQDMProgressBar
+    from torch.utils.data import DataLoader
+
+    from pixelsac.callbacks import (
+        Checkpointer,
+        Evaluator,
+        PlainProgress,
+        ProgressBar,
+        StopWhenCollected,
+        TrainingLogger,
+    )
+    from pixelsac.collect import Collector, ExperienceStream
+    from pixelsac.envs.vector import make_envs
+    from pixelsac.module import SACModule
+    from pixelsac.perf import PerfTracker
+    from pixelsac.replay import ReplaySet, replay_placement
+    from pixelsac.stopping import StopOnSignal
+
+    trainer = make_trainer(cfg)
+    rank, world = trainer.global_rank, trainer.world_size
+    if resume_world is not None and resume_world != world:
+        raise UsageError(
+            f"{resume_from} was written by {resume_world} data-parallel rank(s), each with its own replay "
+            f"and RNG states; this run has {world}: set trainer.devices and trainer.num_nodes to match"
+        )
+    replay_device, pin_memory = replay_placement(
+        cfg.replay, trainer.strategy.root_device
+    )  # fails before any env starts
+    if cfg.perf.cuda_graphs:
+        from pixelsac.graphs import graph_conflicts
+
+        conflict = graph_conflicts(cfg, trainer.strategy.root_device.type, world)
+        if conflict:
+            raise ConfigError(conflict)
+    run_dir = shared_run_dir(cfg, rank)
+    if rank == 0 and resume_from is None and not cfg.overwrite and not cli.out_dir_is_free(run_dir):
+        if cfg.resume != "auto":
+            cli.check_out_dir(run_dir, False, "run_dir", hint=f"resume={run_dir}")
+        if not (run_dir / "config.yaml").is_file():  # a previous attempt that saved no checkpoint is fine
+            raise UsageError(
+                f"run_dir {run_dir} is not empty and holds no pixelsac run (no config.yaml, no "
+                "checkpoint); resume=auto starts only in an empty directory or an earlier attempt's: "
+                "choose another run_dir=... or pass overwrite=true"
+            )
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    L.seed_everything(cfg.seed, verbose=False)
+
+    eval_env = cli.env_from_config(cfg, cfg.seed + EVAL_SEED_OFFSET)
+    eval_env.render(16)  # a missing GL library fails here, before anything is written (no RNG drawn)
+    seed_frames = cfg.train.seed_steps * eval_env.action_repeat
+    if resume_from is None and cfg.train.updates_per_step > 0 and cfg.train.env_frames <= seed_frames:
+        eval_env.close()
+        raise ConfigError(
+            f"train.env_frames={cfg.train.env_frames} ends within the random seed phase "
+            f"(train.seed_steps={cfg.train.seed_steps} x action repeat {eval_env.action_repeat} "
+            f"= {seed_frames} frames), so no update would run; raise train.env_frames or lower "
+            "train.seed_steps"
+        )
+    rank_seed = cfg.seed + RANK_SEED_STRIDE * rank
+    seeds = [rank_seed + i for i in range(cfg.env.num_envs)]
+    env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1, **cli.env_kwargs(cfg))
+
+    replay = ReplaySet(
+        cfg.env.num_envs,
+        cfg.replay.capacity,
+        env.frame_shape,
+        env.frame_dtype,
+        env.frame_stack,
+        env.action_dim,
+        device=replay_device,
+        pin_memory=pin_memory,
+    )
+    module = SACModule(to_plain(cfg), env.obs_shape, env.action_dim)
+    if rank > 0:  # identical initial weights everywhere; each rank augments and samples its own way
+        torch.manual_seed(rank_seed)
+    rng = np.random.default_rng(rank_seed)
+    seed_steps = -(-cfg.train.seed_steps // world)  # like the budget, seed steps count over all ranks
+    collector = Collector(env, replay, module.act, seed_steps, rng, world_size=world)
+    total_agent_steps = -(-cfg.train.env_frames // (env.action_repeat * world))  # the budget is over all ranks
+    stream = ExperienceStream(collector, cfg.agent.batch_size, total_agent_steps, cfg.train.updates_per_step, rng)
+
+    episode_steps = -(-cfg.env.episode_frames // env.action_repeat) * cfg.env.num_envs
+    checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps, stop=stop)
+    callbacks = [
+        TrainingLogger(collector),
+        Evaluator(
+            eval_env,
+            collector,
+            checkpointer,
+            cfg.train.eval_every_frames,
+            cfg.train.eval_episodes,
+            video_dir=run_dir / "videos",
+            video_every_evals=cfg.train.video_every_evals,
+            video_size=min(cfg.train.video_size, 480),
+            stop=stop,
+        ),
+        checkpointer,
+        StopWhenCollected(stream),
+    ]
+    stopper = None
+    if stop is not None:
+        stopper = StopOnSignal(
+            stop, stream, collector, checkpointer, cfg.stop.max_wait_steps, cfg.stop.max_wait_seconds
+        )
+        callbacks.append(stopper)
+    # our bar (frames first) replaces Lightning's default one; in a log that is not a terminal,
+    # a plain line every train.progress_every_seconds replaces the bar
+    bars = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, TQDMProgressBar)]
+    for i in bars:
+        trainer.callbacks[i] = (
+            ProgressBar(collector)
+            if progress_is_a_terminal()
+            else PlainProgress(collector, cfg.train.env_frames, cfg.train.progress_every_seconds)
+        )
+    trainer.callbacks.extend(callbacks)
+    if cfg.perf.track:  # first: its update clock must stop before any other callback's batch-end work
+        trainer.callbacks.insert(0, PerfTracker(collector, run_dir, cfg))
+    # its own generator: creating the loader's iterator must not draw from the global torch RNG,
+    # or a resumed run would diverge from the uninterrupted one
+    stream_loader = DataLoader(stream, batch_size=None, num_workers=0, generator=torch.Generator())
+    return Run(cfg, run_dir, env, eval_env, replay, module, collector, stream_loader, trainer, resume_from, stopper)
+
+
+def progress_is_a_terminal() -> bool:
+    """Whether the bar's stream (stderr, where tqdm draws) is a terminal."""
+    return sys.stderr.isatty()
+
+
+def attach_loggers(run: Run, resume_frames: int | None) -> None:
+    """CSV (``metrics.csv``) and TensorBoard (``tb/``) loggers in the run directory. On resume
+    the CSV keeps its rows up to the checkpoint's frame (later ones were never checkpointed)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    metrics = run.run_dir / "metrics.csv"
+    header, kept_rows = _rows_until(metrics, resume_frames) if resume_frames is not None else ([], [])
+    csv_logger = CSVLogger(run.run_dir, name="", version="")
+    writer = csv_logger.experiment  # deletes an existing metrics.csv: the kept rows go back below
+    if header:
+        with open(metrics, "w", newline="") as f:
+            out = csv.DictWriter(f, fieldnames=header)
+            out.writeheader()
+            out.writerows(kept_rows)
+        writer.metrics_keys = sorted(header)
+    loggers = [csv_logger, TensorBoardLogger(run.run_dir, name="tb", version="")]
+    run.trainer.loggers = loggers  # the Trainer was built without them so that nothing was written early
+
+
+def write_run_dir(run: Run) -> None:
+    from omegaconf import OmegaConf
+
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(run.cfg, run.run_dir / "config.yaml", resolve=True)
+
+
+def _rows_until(metrics: Path, frames: int) -> tuple[list[str], list[dict[str, str]]]:
+    """The CSV log's header and its rows logged at env frames up to ``frames`` (later rows were
+    never checkpointed: a resumed run logs them again)."""
+    if not metrics.is_file():
+        return [], []
+    with open(metrics, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames or []), [
+            row for row in reader if row.get("step") and float(row["step"]) <= frames
+        ]

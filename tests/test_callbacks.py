@@ -1,0 +1,108 @@
+"""pixelsac/callbacks.py, the parts no end-to-end test isolates: the plain progress line of a
+log that is not a terminal, the progress bar's frame count, stopping once the budget is
+collected, and the training logger's rows (one per finished episode, one per log interval)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pixelsac.callbacks import PlainProgress, StopWhenCollected, TrainingLogger
+from pixelsac.collect import Episode
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_plain_progress_prints_a_line_every_interval_only():
+    collector = SimpleNamespace(total_env_frames=0)
+    clock, lines = Clock(), []
+    bar = PlainProgress(
+        collector, budget_frames=1000, every_seconds=30.0, clock=clock, out=lambda text, flush: lines.append(text)
+    )
+    trainer = SimpleNamespace(callback_metrics={})
+    module = SimpleNamespace(updates=0)
+    bar.on_train_start(trainer, module)
+    for step in range(1, 100):  # one update per simulated second
+        clock.now, collector.total_env_frames, module.updates = float(step), 4 * step, step
+        if step == 70:
+            trainer.callback_metrics["eval/return"] = torch.tensor(123.25)
+        bar.on_train_batch_end(trainer, module, None, None, step)
+    assert lines == [
+        "progress: env frames 120/1,000 (12%), updates 30, 4.0 frames/s",
+        "progress: env frames 240/1,000 (24%), updates 60, 4.0 frames/s",
+        "progress: env frames 360/1,000 (36%), updates 90, 4.0 frames/s, last eval return 123.2",
+    ]
+    assert all("\r" not in line for line in lines)
+    bar.disable()
+    clock.now = 1000.0
+    bar.on_train_batch_end(trainer, module, None, None, 100)
+    assert len(lines) == 3
+
+
+def test_runs_pick_the_plain_line_when_stderr_is_not_a_terminal(monkeypatch):
+    from pixelsac import run
+
+    monkeypatch.setattr("sys.stderr", SimpleNamespace(isatty=lambda: False))
+    assert not run.progress_is_a_terminal()
+    monkeypatch.setattr("sys.stderr", SimpleNamespace(isatty=lambda: True))
+    assert run.progress_is_a_terminal()
+
+
+def test_stop_when_collected_ends_fit_at_the_epoch_end_after_the_budget():
+    stream = SimpleNamespace(exhausted=False)
+    trainer = SimpleNamespace(should_stop=False)
+    callback = StopWhenCollected(stream)
+    callback.on_train_epoch_end(trainer, None)
+    assert not trainer.should_stop
+    stream.exhausted = True
+    callback.on_train_epoch_end(trainer, None)
+    assert trainer.should_stop
+
+
+class Logger:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step):
+        self.rows.append((step, dict(metrics)))
+
+
+class Module:
+    def __init__(self) -> None:
+        self.metrics: dict = {}
+        self.updates = 3
+        self.skipped = {"critic": 1}
+        self.logged: dict = {}
+
+    def loss_scales(self):
+        return {"critic": 256.0}
+
+    def log(self, name, value, **kwargs):
+        self.logged[name] = value
+
+
+def test_training_logger_rows_episodes_and_intervals():
+    collector = SimpleNamespace(
+        env_frames=50, agent_steps=25, total_env_frames=50, total_agent_steps=25, finished=[Episode(40, 12.5, 20)]
+    )
+    collector.drain_episodes = lambda: [collector.finished.pop()] if collector.finished else []
+    logger, module = Logger(), Module()
+    trainer = SimpleNamespace(loggers=[logger])
+    callback = TrainingLogger(collector)
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert logger.rows == [(40, {"train/episode_return": 12.5, "train/episode_length": 20, "env_frames": 40})]
+    module.metrics = {"critic_loss": torch.tensor(0.5)}
+    callback.on_train_batch_end(trainer, module, None, None, 1)
+    step, row = logger.rows[-1]
+    assert step == 50 and row["train/critic_loss"] == 0.5 and row["lowp/loss_scale_critic"] == 256.0
+    assert row["lowp/skipped_critic"] == 1 and row["updates"] == 3
+    assert module.metrics == {} and module.logged["critic_loss"] == 0.5
+    callback.on_train_batch_end(trainer, module, None, None, 2)  # nothing new: no row
+    assert len(logger.rows) == 2
