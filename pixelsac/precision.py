@@ -106,6 +106,7 @@ class PrecisionPolicy:
     derived_target: bool = False
     channels_last: bool = False
     tf32: bool = False  # fp32 matmuls and convolutions on TF32 tensor cores (CUDA; perf.tf32)
+    emulate_batch_chunk: int | None = None  # fp32_accumulate's samples per fp32 call (lowp.emulate_batch_chunk)
 
     @classmethod
     def from_config(cls, cfg: Any, device_type: str) -> PrecisionPolicy:
@@ -154,6 +155,7 @@ class PrecisionPolicy:
             derived_target=bool(derived_target) and switches["kahan_momentum"],
             channels_last=bool(channels_last),
             tf32=bool(cfg.perf.get("tf32")) and device_type == "cuda",
+            emulate_batch_chunk=cfg.lowp.get("emulate_batch_chunk"),
             **switches,
         )
 
@@ -179,7 +181,7 @@ class PrecisionPolicy:
         if self.mode == "amp":
             return torch.autocast(self.device_type, dtype=torch.float16)
         if self.fp32_accumulate:
-            return lowp.fp32_accumulate()
+            return lowp.fp32_accumulate(batch_chunk=self.emulate_batch_chunk)
         return contextlib.nullcontext()
 
     # --- builders -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pixelsac.lowp import fp32_accumulate
 from pixelsac.nets import ConvTrunk, Projection
-from pixelsac.perf import SavedTensorMeter, module_state_tensors
+from pixelsac.perf import SavedTensorMeter, TensorPeakMeter, module_state_tensors
 
 F16, F64 = torch.float16, torch.float64
 
@@ -365,3 +365,87 @@ def test_without_grad_nothing_is_recorded():
     with torch.no_grad(), fp32_accumulate():
         y = F.linear(x, w)
     assert y.grad_fn is None and torch.equal(y, F.linear(x.float(), w.float()).half())
+
+
+# --- batch_chunk: fp32 work a chunk of samples at a time --------------------------------------
+def _trunk_net(channels_last: bool) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(8)
+    trunk = ConvTrunk((9, 24, 24), num_filters=8, num_layers=4)
+    net = nn.Sequential(trunk, Projection(trunk.out_dim, 16), nn.Linear(16, 1)).half()
+    obs = torch.randint(0, 256, (37, 9, 24, 24)).half()  # 37: the last chunk is a short one
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+        obs = obs.contiguous(memory_format=torch.channels_last)
+    return net, obs
+
+
+def _train_step(net: nn.Module, obs: torch.Tensor, **emulation):
+    model = copy.deepcopy(net)
+    x = obs.clone().requires_grad_()
+    with fp32_accumulate(**emulation):
+        out = model(x)
+    out.float().square().mean().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_chunked_emulation_equals_the_whole_batch_but_for_weight_sums(channels_last):
+    """Per-sample results (outputs, input and bias gradients) are bitwise those of the whole-batch
+    emulation; weight gradients, sums over the batch, agree to within an fp16 ulp and are as
+    close to float64 as the whole-batch form's."""
+    net, obs = _trunk_net(channels_last)
+    whole = _train_step(net, obs)
+    chunked = _train_step(net, obs, batch_chunk=8)
+    exact = _train_step(net.double(), obs.double(), batch_chunk=None)
+    assert chunked[0].dtype == F16 and torch.equal(chunked[0], whole[0])
+    assert torch.equal(chunked[1], whole[1])
+    for name, grad in chunked[2].items():
+        if name.endswith("bias"):
+            assert torch.equal(grad, whole[2][name]), name
+        ulp = fp16_ulp(whole[2][name])
+        assert ((grad.double() - whole[2][name].double()).abs() <= ulp).all(), name
+        reference = exact[2][name]
+        scale = reference.abs().max()
+        err_chunked = ((grad.double() - reference).abs().max() / scale).item()
+        err_whole = ((whole[2][name].double() - reference).abs().max() / scale).item()
+        assert err_chunked <= err_whole + 2**-10, (name, err_chunked, err_whole)
+
+
+def test_chunking_leaves_small_batches_and_fp32_alone():
+    net, obs = _trunk_net(False)
+    small = obs[:8]
+    for a, b in zip(_train_step(net, small), _train_step(net, small, batch_chunk=8)):
+        if isinstance(a, dict):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        else:
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="batch_chunk must be a positive integer"):
+        with fp32_accumulate(batch_chunk=0):
+            pass
+
+
+def test_chunks_bound_the_fp32_buffers_and_keep_fp16_saves():
+    """Two DrQ convolutions at batch 64: the chunked emulation's most bytes alive at once is well
+    below the whole-batch form's (whose fp32 copies of a layer's input, output and gradients exist for
+    the whole batch), and what it saves for backward is fp16 as before."""
+    torch.manual_seed(9)
+    trunk = nn.Sequential(nn.Conv2d(9, 32, 3, stride=2), nn.ReLU(), nn.Conv2d(32, 32, 3)).half()
+    obs = torch.randint(0, 256, (64, 9, 42, 42)).half()
+
+    def peak(**emulation) -> int:
+        model = copy.deepcopy(trunk)
+        gc.collect()
+        meter = TensorPeakMeter()
+        with meter, fp32_accumulate(**emulation):
+            model(obs).sum().backward()  # a loss whose own gradients take no memory
+        return meter.peak
+
+    whole, chunked = peak(), peak(batch_chunk=8)
+    print(f"most tensor bytes alive: whole batch {whole:,}, chunks of 8 {chunked:,} ({chunked / whole:.2f}x)")
+    assert chunked < 0.7 * whole
+    encoder = nn.Sequential(ConvTrunk((9, 36, 36), num_filters=16, num_layers=4)).half()
+    saved = SavedTensorMeter(module_state_tensors(encoder))
+    with saved, fp32_accumulate(batch_chunk=4):
+        out = encoder(torch.randint(0, 256, (8, 9, 36, 36)).half())
+    out.float().sum().backward()
+    assert set(saved.result().by_dtype) == {"float16"}

@@ -19,6 +19,15 @@ re-creates their fp32 copies only inside its backward. The fp32 kernel and its a
 formula are the very ones the plain form runs (the backward is that graph's own, replayed on
 re-created copies that equal the forward's bit for bit, since ``float(x16)`` is exact), so
 outputs and gradients are bitwise those of the plain form; fp32 buffers live for one op.
+
+With ``batch_chunk=N``, a 2-D convolution or a linear layer whose batch is larger than N runs
+its fp32 work N samples at a time (:class:`_BatchChunked`): the upcast inputs, the fp32 output
+and, in backward, the fp32 gradients and the kernel's own workspaces then exist for N samples
+at once instead of the whole batch -- closer to a GPU, where no fp32 copy of an activation
+exists at all. Each sample's output is computed by the same fp32 kernel (bitwise the unchunked
+form wherever the kernel's per-sample arithmetic does not depend on the batch size); the weight
+and bias gradients, sums over the batch, are summed chunk by chunk in fp32 (a reassociation of
+an fp32 sum, far below the fp16/bf16 rounding that follows).
 """
 
 from __future__ import annotations
@@ -219,6 +228,128 @@ class _Fp32Accumulated(torch.autograd.Function):
         return (None, None, None, None, *grads)
 
 
+def _pair(value: Any) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+class _BatchChunked(torch.autograd.Function):
+    """A low-precision conv2d or linear computed in fp32 ``chunk`` samples at a time.
+
+    Forward: for each slice ``x[i:i+chunk]``, ``op(float(x_i), float(w), float(b))`` rounded into
+    its slice of the low-precision output. Saves the low-precision input and weight (as a GPU).
+    Backward, per slice: ``∂L/∂x_i = op'(g_i)`` rounded once into its slice, and
+    ``∂L/∂w = Σ_i op_w'(g_i, x_i)``, ``∂L/∂b = Σ_i Σ_n g_i`` accumulated in fp32 across slices and
+    rounded once. ``conv`` holds (stride, padding, dilation, groups), or None for linear.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        chunk: int,
+        conv: tuple | None,
+        low: torch.dtype,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        w32 = weight.float()
+        b32 = None if bias is None else bias.float()
+        out: torch.Tensor | None = None
+        for start in range(0, x.shape[0], chunk):
+            x32 = x[start : start + chunk].float()
+            part = F.conv2d(x32, w32, b32, *conv) if conv is not None else F.linear(x32, w32, b32)
+            if out is None:  # the layout the fp32 kernel chose (channels-last in, channels-last out)
+                layout = (
+                    torch.channels_last
+                    if part.dim() == 4
+                    and part.is_contiguous(memory_format=torch.channels_last)
+                    and not part.is_contiguous()
+                    else torch.contiguous_format
+                )
+                out = torch.empty((x.shape[0], *part.shape[1:]), dtype=low, device=x.device, memory_format=layout)
+            out[start : start + chunk].copy_(part)
+            del x32, part
+        ctx.chunk, ctx.conv, ctx.low, ctx.has_bias = chunk, conv, low, bias is not None
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[3:6]
+        w32 = weight.float()
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = torch.zeros_like(w32) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=x.device) if need_b else None
+        for start in range(0, x.shape[0], ctx.chunk):
+            end = start + ctx.chunk
+            g32 = grad_out[start:end].float()
+            x32 = x[start:end].float() if need_w else None
+            if ctx.conv is not None:
+                stride, padding, dilation, groups = ctx.conv
+                if x32 is None:
+                    x32 = x[start:end].float()  # the kernel reads the input's geometry
+                gx, gw, gb = torch.ops.aten.convolution_backward(
+                    g32,
+                    x32,
+                    w32,
+                    [weight.shape[0]] if ctx.has_bias else None,
+                    _pair(stride),
+                    _pair(padding),
+                    _pair(dilation),
+                    False,
+                    [0, 0],
+                    groups,
+                    [need_x, need_w, need_b],
+                )
+            else:
+                gx = g32 @ w32 if need_x else None
+                gw = g32.t() @ x32 if need_w else None
+                gb = g32.sum(0) if need_b else None
+            if need_x:
+                grad_x[start:end].copy_(gx)
+            if need_w:
+                grad_w += gw
+            if need_b:
+                grad_b += gb
+            del g32, x32, gx, gw, gb
+        return (
+            None,
+            None,
+            None,
+            grad_x,
+            None if grad_w is None else grad_w.to(ctx.low),
+            None if grad_b is None else grad_b.to(ctx.low),
+        )
+
+
+def _chunkable(func: Callable, args: tuple, kwargs: dict, chunk: int | None) -> tuple | None:
+    """(x, weight, bias, conv) when ``func(*args, **kwargs)`` is a conv2d or linear over a batch
+    larger than ``chunk`` that :class:`_BatchChunked` computes; else None."""
+    if chunk is None or (func is not F.conv2d and func is not F.linear):
+        return None
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+    if func is F.linear:
+        names = names[:3]
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key not in names or key in bound:
+            return None
+        bound[key] = value
+    x, weight, bias = bound.get("input"), bound.get("weight"), bound.get("bias")
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return None
+    if x.dim() != (4 if func is F.conv2d else 2) or x.shape[0] <= chunk:
+        return None
+    if func is F.linear:
+        return x, weight, bias, None
+    padding = bound.get("padding", 0)
+    if isinstance(padding, str):  # "same"/"valid": left to the unchunked form
+        return None
+    return x, weight, bias, (bound.get("stride", 1), padding, bound.get("dilation", 1), bound.get("groups", 1))
+
+
 class _TensorSlot:
     def __repr__(self) -> str:
         return "<tensor>"
@@ -235,9 +366,10 @@ def _emulate_saving_low(func: Callable, args: tuple, kwargs: dict, low: torch.dt
 
 
 class _Fp32AccumulateMode(TorchFunctionMode):
-    def __init__(self, save_low_precision: bool = True) -> None:
+    def __init__(self, save_low_precision: bool = True, batch_chunk: int | None = None) -> None:
         super().__init__()
         self.save_low_precision = save_low_precision
+        self.batch_chunk = batch_chunk
 
     def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -246,6 +378,10 @@ class _Fp32AccumulateMode(TorchFunctionMode):
             low_dtype = _common_low_dtype(args, kwargs)
             if low_dtype is not None:
                 # The mode is disabled inside this handler, so these calls are not re-intercepted.
+                chunked = _chunkable(func, args, kwargs, self.batch_chunk) if self.save_low_precision else None
+                if chunked is not None:
+                    x, weight, bias, conv = chunked
+                    return _BatchChunked.apply(self.batch_chunk, conv, low_dtype, x, weight, bias)
                 leaves = tree_flatten((args, kwargs))[0]
                 if (
                     self.save_low_precision
@@ -259,7 +395,7 @@ class _Fp32AccumulateMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def fp32_accumulate(save_low_precision: bool = True) -> Iterator[None]:
+def fp32_accumulate(save_low_precision: bool = True, batch_chunk: int | None = None) -> Iterator[None]:
     """Within this context, fp16/bf16 convolutions and matmuls accumulate in fp32.
 
     Inputs are upcast, the fp32 kernel runs, and the output is rounded back to the inputs'
@@ -275,6 +411,13 @@ def fp32_accumulate(save_low_precision: bool = True) -> Iterator[None]:
             element with the ReLU's own fp16 save, against fp32's 4), slightly less Python work
             per op, and double backward (``create_graph=True``) through these ops, which the
             default form refuses.
+        batch_chunk: run the fp32 work of 2-D convolutions and linear layers this many samples
+            at a time (None: the whole batch at once), so that fp32 buffers exist for a chunk
+            only (:class:`_BatchChunked`); with ``save_low_precision`` only.
     """
-    with _Fp32AccumulateMode(save_low_precision):
+    if batch_chunk is not None and (
+        isinstance(batch_chunk, bool) or not isinstance(batch_chunk, int) or batch_chunk < 1
+    ):
+        raise ValueError(f"batch_chunk must be a positive integer or None; got {batch_chunk!r}")
+    with _Fp32AccumulateMode(save_low_precision, batch_chunk):
         yield

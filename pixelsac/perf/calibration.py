@@ -79,7 +79,9 @@ class _EmulationFormPolicy:
 
     def compute_context(self) -> Any:
         if self._policy.mode != "amp" and self._policy.fp32_accumulate:
-            return lowp.fp32_accumulate(save_low_precision=self.save_low_precision)
+            return lowp.fp32_accumulate(
+                save_low_precision=self.save_low_precision, batch_chunk=self._policy.emulate_batch_chunk
+            )
         return self._policy.compute_context()
 
 
