@@ -103,6 +103,8 @@ def resolve_device(name: str) -> Any:
 
 #: the env keys of a configuration that build a :class:`pixelsac.envs.DMCEnv`
 ENV_KEYS = ("obs", "image_size", "frame_stack", "action_repeat", "camera_id", "episode_frames")
+#: env keys added since checkpoints were first written, with the value older ones mean
+OPTIONAL_ENV_KEYS = {"shadow_size": None}
 
 
 def env_kwargs(config: Any) -> dict[str, Any]:
@@ -110,9 +112,10 @@ def env_kwargs(config: Any) -> dict[str, Any]:
     the plain dict a checkpoint stores); a missing key is a ConfigError."""
     env = config["env"]
     try:
-        return {key: env[key] for key in ENV_KEYS}
+        kwargs = {key: env[key] for key in ENV_KEYS}
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"the configuration has no usable env settings (missing {exc})") from None
+    return {**kwargs, **{key: env.get(key, default) for key, default in OPTIONAL_ENV_KEYS.items()}}
 
 
 def env_from_config(config: Any, seed: int) -> Any:

@@ -360,3 +360,21 @@ def test_replay_rebuilds_the_env_stacks(make_env):
         obs, next_obs = seen[action.tobytes()]
         np.testing.assert_array_equal(batch["obs"][row].numpy(), obs)
         np.testing.assert_array_equal(batch["next_obs"][row].numpy(), next_obs)
+
+
+def test_a_smaller_shadow_map_changes_only_shadow_edges(make_env):
+    """env.shadow_size: the suite's 2048² shadow map is what software OpenGL spends most of a small
+    render on; 512 keeps the images within a few shadow-edge pixels (the README measures its speed)."""
+    default = make_env("cartpole_swingup", image_size=84, seed=3)
+    small = make_env("cartpole_swingup", image_size=84, seed=3, shadow_size=512)
+    none = make_env("cartpole_swingup", image_size=84, seed=3, shadow_size=0)
+    assert small._env.physics.model.vis.quality.shadowsize == 512
+    assert default._env.physics.model.vis.quality.shadowsize == 2048
+    frames = [env.reset().frame.astype(int) for env in (default, small, none)]
+    for _ in range(20):
+        frames = [env.step(np.full(1, 0.7)).frame.astype(int) for env in (default, small, none)]
+    changed_small = np.mean(np.abs(frames[1] - frames[0]) > 0)
+    changed_none = np.mean(np.abs(frames[2] - frames[0]) > 0)
+    assert changed_small < 0.01 < changed_none  # without shadows many pixels change
+    with pytest.raises(EnvError, match="shadow_size must be an integer >= 0"):
+        DMCEnv("cartpole_swingup", shadow_size=-1)

@@ -186,6 +186,7 @@ class DMCEnv:
         camera_id: int | None = None,
         seed: int = 0,
         episode_frames: int = 1000,
+        shadow_size: int | None = None,
     ) -> None:
         domain, task_name = _resolve_task(task)
         if obs not in OBS_KINDS:
@@ -202,6 +203,11 @@ class DMCEnv:
         self._obs_kind = obs
         self._seed = seed
         self._env = _suite().load(domain, task_name, task_kwargs={"random": seed})
+        if shadow_size is not None:  # read when the render context is made, at the first render
+            if isinstance(shadow_size, bool) or not isinstance(shadow_size, int) or shadow_size < 0:
+                self.close()
+                raise EnvError(f"shadow_size must be an integer >= 0 (0: no shadows); got {shadow_size!r}")
+            self._env.physics.model.vis.quality.shadowsize = shadow_size
         if camera_id is None:
             camera_id = 2 if domain == "quadruped" else 0
         try:
