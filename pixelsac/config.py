@@ -165,9 +165,9 @@ def _type_name(t: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
 
 
-def _check_type(key: str, value: Any, expected: type) -> Any:
+def _check_type(key: str, value: Any, expected: type, nullable: Iterable[str] = NULLABLE) -> Any:
     if value is None:
-        if key in NULLABLE:
+        if key in nullable:
             return None
         raise ConfigError(f"{key} cannot be null; it takes {_type_name(expected)}")
     ok = (
@@ -398,6 +398,58 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"env.image_size={cfg.env.image_size} is too small for {cfg.agent.num_conv_layers} conv layers"
         )
+
+
+def load_options(
+    name: str,
+    argv: Sequence[str],
+    *,
+    nullable: dict[str, type] | None = None,
+    lower_bounds: dict[str, float] | None = None,
+    choices: dict[str, Sequence[str]] | None = None,
+    verbatim: Iterable[str] = (),
+    untyped: Iterable[str] = (),
+    prefix: str = "",
+    conf: Path | None = None,
+) -> dict[str, Any]:
+    """The options of an entry point other than training, as one validated config group.
+
+    ``conf/<name>.yaml`` holds every option with its default (and, in its comments, what it
+    means); ``argv`` are ``key=value`` overrides (keys written with ``prefix``, e.g. ``bench.``).
+    Checked the way training keys are, each refusal a one-line :class:`ConfigError`: an unknown
+    key (with a suggestion), a value of the wrong type (the default's, or ``nullable``'s for a
+    key whose default is null), a value below its ``lower_bounds`` or outside its ``choices``.
+    ``verbatim`` keys keep the text as typed (paths: YAML would read ``out_dir=2024`` as a
+    number); ``untyped`` keys are returned YAML-typed for the caller to interpret.
+    """
+    defaults = _load_yaml((conf or conf_dir()) / f"{name}.yaml")
+    options: dict[str, Any] = OmegaConf.to_container(defaults)
+    nullable, lower_bounds, choices = nullable or {}, lower_bounds or {}, choices or {}
+    verbatim, untyped = set(verbatim), set(untyped)
+    raw = {item.partition("=")[0].strip(): item.partition("=")[2] for item in argv}
+    for written, value in parse_overrides(argv).items():
+        key = written.removeprefix(prefix) if prefix else written
+        if key not in options or (prefix and not written.startswith(prefix)):
+            valid = [prefix + k for k in options]
+            raise ConfigError(f"unknown option {written!r}{_suggest(written, valid)}; options: {', '.join(valid)}")
+        shown = prefix + key
+        if key in verbatim:
+            text = raw[written].strip()
+            if not text:
+                raise ConfigError(f"{shown}= needs a value")
+            value = None if text in ("null", "~") and key in nullable else text
+        elif key not in untyped:
+            expected = nullable.get(key) or type(options[key])
+            if options[key] is None and key not in nullable:
+                raise ConfigError(f"option {shown} has no declared type")  # a mistake in the caller, not the user
+            value = _check_type(shown, value, expected, nullable={prefix + k for k in nullable})
+        low = lower_bounds.get(key)
+        if low is not None and value is not None and value < low:
+            raise ConfigError(f"{shown}={value} must be {'positive' if low > 0 else 'zero or more'}")
+        if key in choices and value not in choices[key]:
+            raise ConfigError(f"{shown}={value!r}; choose one of {', '.join(map(str, choices[key]))}")
+        options[key] = value
+    return options
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

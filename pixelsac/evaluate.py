@@ -4,23 +4,8 @@
     python -m pixelsac.evaluate checkpoint=run/checkpoints/last.ckpt episodes=20 video=false
     python -m pixelsac.evaluate checkpoint=RUN video_episodes=all agent_view=true out_dir=eval/
 
-Options (``key=value``):
-  checkpoint=PATH       a .ckpt file, or a run directory (its best.ckpt, else last.ckpt)
-  prefer=best|last      which checkpoint of a run directory to use            [best]
-  episodes=N            episodes to play                                      [10]
-  seed=S                evaluation seed          [training seed + 200000: episodes unseen in
-                                                  training and in choosing best.ckpt]
-  sample=true|false     sample actions instead of the deterministic mean      [false]
-  video=true|false      write mp4 videos of some episodes (video=false: none) [true]
-  video_episodes=0,1|all  which episodes to film                              [0]
-  video_size=N          rendered side of the video, pixels                    [256]
-  video_camera=N        camera to film from                      [the observation camera]
-  agent_view=true       add what the policy saw, enlarged, to the right       [false]
-  out_dir=DIR           where results.json and videos go
-                        [<run dir>/eval/<checkpoint name>-<date>-<time>]
-  overwrite=true        allow writing into a non-empty out_dir                [false]
-  device=auto|cpu|cuda  where the networks run (auto: cuda when available)   [auto]
-  trust_checkpoint=true allow a checkpoint that needs full unpickling (can run code!) [false]
+Options are ``key=value``; ``conf/evaluate.yaml`` lists each with its default and meaning
+(``--help`` prints it). The first episode is filmed unless ``video=false``.
 
 Checkpoints of any precision (fp32, fp16, bf16, amp), written on a GPU or a CPU, evaluate on
 either device. A bad option or an unusable checkpoint is reported in one line with exit code 2,
@@ -31,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import difflib
 import json
 import math
 import sys
@@ -44,32 +28,24 @@ import numpy as np
 
 from pixelsac import cli
 from pixelsac.checkpoint import CheckpointError
-from pixelsac.config import REPORT_SEED_OFFSET, ConfigError, parse_overrides
+from pixelsac.config import REPORT_SEED_OFFSET, ConfigError, conf_dir, load_options, parse_overrides
 
-USAGE = __doc__
+USAGE = (
+    (__doc__ or "")
+    + "\noptions (conf/evaluate.yaml: name, default, meaning):\n"
+    + "\n".join(
+        f"  {line}"
+        for line in (conf_dir() / "evaluate.yaml").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+)
 
 #: the default seed is the training seed + this: episodes unseen in training and in choosing best.ckpt
 EVAL_SEED_OFFSET = REPORT_SEED_OFFSET
 
-#: option name -> the kind of value it takes (the defaults live in EvalOptions)
-_OPTION_KINDS: dict[str, str] = {
-    "checkpoint": "path",
-    "prefer": "choice",
-    "episodes": "int",
-    "seed": "int",
-    "sample": "bool",
-    "video": "bool",
-    "video_episodes": "episodes",
-    "video_size": "int",
-    "video_camera": "int",
-    "agent_view": "bool",
-    "out_dir": "path",
-    "overwrite": "bool",
-    "device": "device",
-    "trust_checkpoint": "bool",
-}
-_CHOICES = {"prefer": ("best", "last")}
+#: options that only make sense with video=true
 _VIDEO_OPTIONS = ("video_episodes", "video_size", "video_camera", "agent_view")
+_DEVICES = "auto, cpu, cuda or cuda:N"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,23 +69,29 @@ class EvalOptions:
 
 
 def parse_options(argv: Sequence[str]) -> EvalOptions:
-    """Turn ``key=value`` arguments into :class:`EvalOptions`; :class:`ConfigError` on a mistake."""
-    typed = parse_overrides(argv)
-    # Paths keep their literal text: YAML would turn out_dir=2024 into a number.
-    raw = {item.partition("=")[0].strip(): item.partition("=")[2] for item in argv}
-    values: dict[str, Any] = {}
-    for key, value in typed.items():
-        if key not in _OPTION_KINDS:
-            close = difflib.get_close_matches(key, _OPTION_KINDS, n=1, cutoff=0.6)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown option {key!r}{hint}; options: {', '.join(_OPTION_KINDS)}")
-        values[key] = _convert(key, value, raw[key])
-    if "checkpoint" not in values:
+    """Turn ``key=value`` arguments into :class:`EvalOptions`: ``conf/evaluate.yaml`` holds each
+    option's default, :func:`pixelsac.config.load_options` checks names, types and bounds;
+    :class:`ConfigError` on a mistake."""
+    values = load_options(
+        "evaluate",
+        argv,
+        nullable={"checkpoint": str, "seed": int, "video_camera": int, "out_dir": str},
+        lower_bounds={"episodes": 1, "video_size": 1, "seed": 0, "video_camera": 0},
+        choices={"prefer": ("best", "last")},
+        verbatim=("checkpoint", "out_dir", "device"),  # paths and names keep their text
+        untyped=("video_episodes",),
+    )
+    if values["checkpoint"] is None:
         raise ConfigError("checkpoint=PATH is required (a .ckpt file or a run directory)")
-
-    video_options = [key for key in _VIDEO_OPTIONS if key in values]
-    if video_options and values.get("video") is False:
+    device = values["device"]
+    if device not in ("auto", "cpu") and not device.startswith("cuda"):
+        raise ConfigError(f"device={device!r}; choose {_DEVICES}")
+    given = parse_overrides(argv)
+    raw = {item.partition("=")[0].strip(): item.partition("=")[2] for item in argv}
+    video_options = [key for key in _VIDEO_OPTIONS if key in given]
+    if video_options and given.get("video") is False:
         raise ConfigError(f"video=false contradicts {', '.join(video_options)}; drop one of them")
+    values["video_episodes"] = _episode_list(values["video_episodes"], raw.get("video_episodes", "0"))
     options = EvalOptions(**values)
     if options.video_episodes is not None:
         beyond = [e for e in options.video_episodes if e >= options.episodes]
@@ -119,38 +101,6 @@ def parse_options(argv: Sequence[str]) -> EvalOptions:
                 f"{options.episodes} episode(s), numbered 0..{options.episodes - 1}"
             )
     return options
-
-
-def _convert(key: str, value: Any, raw: str) -> Any:
-    kind = _OPTION_KINDS[key]
-    if kind == "path":
-        if not raw.strip():
-            raise ConfigError(f"{key}= needs a path")
-        return raw.strip()
-    if key in ("seed", "video_camera") and value is None:  # null: the documented default
-        return None
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}={raw!r} has the wrong type; it takes true or false")
-        return value
-    if kind == "int":
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{key}={raw!r} has the wrong type; it takes an integer")
-        if key in ("episodes", "video_size") and value < 1:
-            raise ConfigError(f"{key}={value} must be positive")
-        if key == "seed" and value < 0:
-            raise ConfigError(f"seed={value} must be zero or more")
-        return value
-    if kind == "choice":
-        if value not in _CHOICES[key]:
-            raise ConfigError(f"{key}={raw!r}; choose one of {', '.join(_CHOICES[key])}")
-        return value
-    if kind == "device":
-        text = str(raw).strip()
-        if text not in ("auto", "cpu") and not text.startswith("cuda"):
-            raise ConfigError(f"device={text!r}; choose auto, cpu, cuda or cuda:N")
-        return text
-    return _episode_list(value, raw)
 
 
 def _episode_list(value: Any, raw: str) -> tuple[int, ...] | None:

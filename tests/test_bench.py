@@ -250,10 +250,11 @@ def test_help_documents_every_bench_option(capsys):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["bench.mode=fp16"], "unknown key 'bench.mode' (did you mean 'bench.modes'?)"),
+        (["bench.mode=fp16"], "unknown option 'bench.mode' (did you mean 'bench.modes'?)"),
         (["bench.modes=fp16,fp99"], "unknown mode 'fp99'"),
         (["bench.batch_sizes=128,0"], "bench.batch_sizes=0 must be a positive integer"),
-        (["bench.updates=0"], "bench.updates=0 must be a positive integer"),
+        (["bench.updates=0"], "bench.updates=0 must be positive"),
+        (["bench.updates=many"], "bench.updates='many' has the wrong type; it takes an integer"),
         (["bench.channels_last=sideways"], "choose one of auto, off, on, both"),
         (["bench.sync_free=maybe"], "choose one of auto, off, on, both"),
         (["bench.batch=gpu"], "choose from auto, all, host, pinned, device"),

@@ -1,8 +1,10 @@
 """Configuration composition, overrides and the one-line errors for bad input."""
 
+import re
+
 import pytest
 
-from pixelsac.config import ConfigError, from_plain, load_config, to_plain
+from pixelsac.config import ConfigError, from_plain, load_config, load_options, to_plain
 
 TASKS = ["cartpole_swingup", "cheetah_run", "walker_walk", "quadruped_walk", "point_mass_easy"]
 
@@ -86,3 +88,37 @@ def test_cli_values_are_checked_against_task_files_too(tmp_path):
     (tmp_path / "task" / "a.yaml").write_text("env:\n  sise: 4\n")
     with pytest.raises(ConfigError, match="in .*a.yaml: unknown key 'env.sise'"):
         load_config([], conf=tmp_path)
+
+
+def test_entry_point_options_are_one_checked_config_group(tmp_path):
+    """config.load_options: the evaluate and bench options' defaults live in conf/<name>.yaml and
+    are checked the way training keys are (names, types, bounds, choices), one line each."""
+    (tmp_path / "tool.yaml").write_text("episodes: 10\nseed: null\nout: null\nprefer: best\nlist: 0\n")
+    load = lambda argv, **kw: load_options(  # noqa: E731
+        "tool",
+        argv,
+        conf=tmp_path,
+        nullable={"seed": int, "out": str},
+        lower_bounds={"episodes": 1},
+        choices={"prefer": ("best", "last")},
+        verbatim=("out",),
+        untyped=("list",),
+        **kw,
+    )
+    assert load([]) == {"episodes": 10, "seed": None, "out": None, "prefer": "best", "list": 0}
+    got = load(["episodes=3", "seed=7", "out=2024", "list=[1, 2]"])
+    assert got["episodes"] == 3 and got["seed"] == 7 and got["out"] == "2024" and got["list"] == [1, 2]
+    for argv, message in [
+        (["episods=3"], "unknown option 'episods' (did you mean 'episodes'?); options: episodes, seed"),
+        (["episodes=ten"], "episodes='ten' has the wrong type; it takes an integer"),
+        (["episodes=0"], "episodes=0 must be positive"),
+        (["seed=x"], "seed='x' has the wrong type; it takes an integer"),
+        (["prefer=newest"], "prefer='newest'; choose one of best, last"),
+        (["out="], "out= needs a value"),
+        (["episodes"], "expected key=value"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load(argv)
+    assert load(["tool.episodes=4"], prefix="tool.")["episodes"] == 4
+    with pytest.raises(ConfigError, match=re.escape("unknown option 'episodes'")):
+        load(["episodes=4"], prefix="tool.")

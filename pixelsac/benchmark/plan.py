@@ -11,8 +11,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from pixelsac import cli
-from pixelsac.config import COMPILE_MODES, SIX, ConfigError, load_config, parse_overrides
+from pixelsac.config import COMPILE_MODES, SIX, ConfigError, conf_dir, load_config, load_options
 
 
 class BenchError(ConfigError):
@@ -78,7 +80,8 @@ def _modes() -> dict[str, Mode]:
 
 
 MODES = _modes()
-DEFAULT_MODES = ("fp32", "tf32", "amp", "bf16", "fp16-naive", "fp16", "fp16-native")
+#: the modes run when bench.modes is not given: conf/bench.yaml's default
+DEFAULT_MODES = tuple(str(OmegaConf.load(conf_dir() / "bench.yaml").modes).split(","))
 ABLATIONS = ("fp16-six", "bf16-six", *(f"fp16-no-{switch}" for switch in SIX))
 
 
@@ -87,56 +90,16 @@ _ON_OFF = ("off", "on", "both")
 _AUTO_ON_OFF = ("auto", "off", "on", "both")
 _BATCH_SOURCES = ("host", "pinned", "device")
 
-#: bench.* options: name -> (default, help)
-OPTIONS: dict[str, tuple[Any, str]] = {
-    "modes": (",".join(DEFAULT_MODES), "comma-separated modes: " + ", ".join(MODES) + "; 'all' = defaults + ablations"),
-    "ablations": (False, "also run fp16 minus each one of the six switches"),
-    "batch_sizes": (None, "comma-separated batch sizes (default: agent.batch_size)"),
-    "updates": (None, "timed updates per cell (default: 500 on a GPU, as the paper; 3 on a CPU)"),
-    "warmup": (None, "untimed updates before timing (default: 20 on a GPU, 1 on a CPU)"),
-    "channels_last": (
-        "auto",
-        "NHWC memory format for the conv trunk (perf.channels_last): auto (the training default: "
-        "on a CPU, on a GPU for fp16/bf16/AMP) | off | on | both",
-    ),
-    "compile": ("off", "torch.compile the networks (trunk, projections, Q heads, actor): off | on | both"),
-    "compile_mode": ("default", "torch.compile mode: " + " | ".join(COMPILE_MODES) + " (inductor only)"),
-    "compile_backend": ("inductor", "torch.compile backend (eager / aot_eager to check the wiring cheaply)"),
-    "sync_free": (
-        "auto",
-        "device-side loss-scale decisions + index random shift (perf.sync_free, perf.aug_backend) "
-        "vs host decisions + kornia crop: auto (the device's default) | off | on | both",
-    ),
-    "cuda_graphs": (
-        "off",
-        "replay each update as a CUDA graph (perf.cuda_graphs; GPU only, implies sync_free): off | on | both",
-    ),
-    "batch": (
-        "auto",
-        "where each update's batch comes from: host (pageable) | pinned (page-locked host) | "
-        "device (already on the GPU, as replay.device=auto gives) | all; auto = the training "
-        "default (pinned on a GPU, host on a CPU)",
-    ),
-    "emulation_saves": (
-        "low",
-        "what the CPU emulation of fp16/bf16 tensor cores (lowp.fp32_accumulate) saves for "
-        "backward in emulated cells: low (the fp16/bf16 inputs, as a GPU; the default) | "
-        "fp32 (their fp32 copies, the earlier form) | both (each in its own cell, plus the two "
-        "interleaved update by update in one process for their cost in ms)",
-    ),
-    "isolate": (
-        None,
-        "one fresh process per cell, so a CPU's peak RSS is the cell's own "
-        "(default: true on a CPU, false on a GPU where the CUDA allocator resets its peak)",
-    ),
-    "device": ("auto", "auto | cpu | cuda"),
-    "out": (None, "output folder (default: runs/bench/<date>-<time>)"),
-    "overwrite": (False, "allow writing into an existing, non-empty output folder"),
-}
 
-OPTIONS_USAGE = "\nbench.* options:\n" + "\n".join(
-    f"  bench.{name:<16} {help_text}" + ("" if default is None else f" [default: {str(default).lower()}]")
-    for name, (default, help_text) in OPTIONS.items()
+def _option_help() -> dict[str, str]:
+    """bench.* option -> its line of ``conf/bench.yaml`` (default and what it means)."""
+    lines = (conf_dir() / "bench.yaml").read_text().splitlines()
+    return {line.partition(":")[0]: line for line in lines if line and not line.startswith("#")}
+
+
+OPTIONS = _option_help()
+OPTIONS_USAGE = "\nbench.* options (conf/bench.yaml: name, default, meaning):\n" + "\n".join(
+    f"  bench.{line}" for line in OPTIONS.values()
 )
 
 
@@ -193,17 +156,23 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
-def parse_options(given: dict[str, Any]) -> BenchOptions:
-    """Check and convert the ``bench.*`` options (without the prefix); raise BenchError."""
-    for key in given:
-        if key not in OPTIONS:
-            close = difflib.get_close_matches(key, list(OPTIONS), n=1, cutoff=0.6)
-            hint = f" (did you mean 'bench.{close[0]}'?)" if close else ""
-            raise BenchError(
-                f"unknown key 'bench.{key}'{hint}; bench options: " + ", ".join(f"bench.{k}" for k in OPTIONS)
-            )
-    value = {k: given.get(k, default) for k, (default, _) in OPTIONS.items()}
-
+def parse_options(argv: list[str]) -> BenchOptions:
+    """Check and convert the ``bench.*`` arguments (``conf/bench.yaml`` holds their defaults;
+    :func:`pixelsac.config.load_options` checks names, types and bounds); raise ConfigError."""
+    value = load_options(
+        "bench",
+        argv,
+        prefix="bench.",
+        nullable={"batch_sizes": str, "updates": int, "warmup": int, "out": str},
+        lower_bounds={"updates": 1, "warmup": 0},
+        choices={
+            "compile_mode": COMPILE_MODES,
+            "emulation_saves": ("low", "fp32", "both"),
+            "device": ("auto", "cpu", "cuda"),
+        },
+        verbatim=("out",),
+        untyped=("modes", "batch_sizes", "channels_last", "compile", "sync_free", "cuda_graphs", "batch", "isolate"),
+    )
     modes: list[str] = []
     for name in _as_list("modes", value["modes"]):
         names = [*DEFAULT_MODES, *ABLATIONS] if name == "all" else [name]
@@ -214,7 +183,7 @@ def parse_options(given: dict[str, Any]) -> BenchOptions:
                 raise BenchError(f"unknown mode {each!r}{hint}; modes: {', '.join(MODES)}")
             if each not in modes:
                 modes.append(each)
-    if _bool("ablations", value["ablations"]):
+    if value["ablations"]:
         modes += [name for name in ABLATIONS if name not in modes]
     if not modes:
         raise BenchError("bench.modes is empty; modes: " + ", ".join(MODES))
@@ -224,14 +193,8 @@ def parse_options(given: dict[str, Any]) -> BenchOptions:
         batch_sizes = [_positive_int("batch_sizes", b) for b in _as_list("batch_sizes", value["batch_sizes"])]
         if not batch_sizes:
             raise BenchError("bench.batch_sizes is empty")
-    isolate = value["isolate"]
-    if isolate is not None and isolate != "auto":
-        isolate = _bool("isolate", isolate)
-    elif isolate == "auto":
-        isolate = None
+    isolate = None if value["isolate"] in ("auto", None) else _bool("isolate", value["isolate"])
     out = value["out"]
-    if out is not None and (not isinstance(out, str) or not out.strip()):
-        raise BenchError(f"bench.out={out!r} must be a folder path")
     batch = None
     if value["batch"] != "auto":
         names = _as_list("batch", value["batch"])
@@ -245,34 +208,27 @@ def parse_options(given: dict[str, Any]) -> BenchOptions:
     return BenchOptions(
         modes=modes,
         batch_sizes=batch_sizes,
-        updates=None if value["updates"] is None else _positive_int("updates", value["updates"]),
-        warmup=None if value["warmup"] is None else _positive_int("warmup", value["warmup"], low=0),
+        updates=value["updates"],
+        warmup=value["warmup"],
         channels_last=_choice("channels_last", value["channels_last"], _AUTO_ON_OFF),
         compile=_choice("compile", value["compile"], _ON_OFF),
-        compile_mode=_choice("compile_mode", value["compile_mode"], COMPILE_MODES),
+        compile_mode=value["compile_mode"],
         compile_backend=backend,
         sync_free=_choice("sync_free", value["sync_free"], _AUTO_ON_OFF),
         cuda_graphs=_choice("cuda_graphs", value["cuda_graphs"], _ON_OFF),
         batch=batch,
         isolate=isolate,
-        emulation_saves=_choice("emulation_saves", value["emulation_saves"], ("low", "fp32", "both")),
-        device=_choice("device", value["device"], ("auto", "cpu", "cuda")),
+        emulation_saves=value["emulation_saves"],
+        device=value["device"],
         out=out,
-        overwrite=_bool("overwrite", value["overwrite"]),
+        overwrite=value["overwrite"],
     )
 
 
-def split_arguments(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """``bench.*`` options (typed, prefix removed) and the training-config overrides."""
-    bench: dict[str, Any] = {}
-    rest: list[str] = []
-    for item in argv:
-        if item.strip().startswith("bench."):
-            ((key, value),) = parse_overrides([item]).items()
-            bench[key.removeprefix("bench.")] = value
-        else:
-            rest.append(item)
-    return bench, rest
+def split_arguments(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The ``bench.*`` arguments and the training-config overrides."""
+    bench = [item for item in argv if item.strip().startswith("bench.")]
+    return bench, [item for item in argv if not item.strip().startswith("bench.")]
 
 
 # --- one cell's spec --------------------------------------------------------------------------------
