@@ -131,6 +131,8 @@ def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
     assert (exported / "results.md").is_file() and (exported / "grid.json").is_file()
     assert (exported / "runs" / "cartpole_swingup" / "fp32" / "s2" / "metrics.csv").is_file()
     assert not [p for p in exported.rglob("*") if p.suffix in (".ckpt", ".pt", ".npz")]
+    config = (exported / "runs" / "cartpole_swingup" / "fp32" / "s2" / "config.yaml").read_text()
+    assert "run_dir: GRID/cartpole_swingup/fp32/s2" in config and str(tmp_path) not in config
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(exported / "runs", elsewhere)
     plan = run_tool(*grid[:-1], str(elsewhere), *GRID_OVERRIDES, "train.env_frames=480", "--dry-run", cwd=tmp_path)

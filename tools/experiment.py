@@ -630,7 +630,8 @@ def collect(
 
 def export(out: Path, dest: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int]) -> None:
     """Copy the results (results.md/csv, curves, grid.json) and each finished or failed run's
-    EXPORTED_FILES to ``dest``, ``dest/runs/<task>/<mode>/s<seed>/`` for the runs."""
+    EXPORTED_FILES to ``dest``, ``dest/runs/<task>/<mode>/s<seed>/`` for the runs; in the runs'
+    files the grid folder's absolute path becomes ``GRID`` (e.g. ``run_dir: GRID/<task>/...``)."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("results.md", "results.csv", "curves.png", "curves.svg", "grid.json"):
         if (out / name).is_file():
@@ -646,7 +647,11 @@ def export(out: Path, dest: Path, tasks: Sequence[str], modes: Sequence[str], se
                 target.mkdir(parents=True, exist_ok=True)
                 for name in EXPORTED_FILES:
                     if (run_dir / name).is_file():
-                        shutil.copy2(run_dir / name, target / name)
+                        # the runs were given absolute run_dir=...: written relative to the
+                        # grid folder, so an export names no path of the machine that ran it
+                        text = (run_dir / name).read_text()
+                        (target / name).write_text(text.replace(str(out.resolve()), "GRID"))
+                        shutil.copystat(run_dir / name, target / name)
                 copied += 1
     print(f"exported the results and {copied} finished runs to {dest}")
 
