@@ -1,0 +1,296 @@
+"""Playing a trained agent from a checkpoint: episodes, videos and the results file.
+
+:func:`evaluate` loads and checks the checkpoint (any precision, trained on any device), rebuilds
+its environment from the stored configuration, plays the episodes, films the asked-for ones and
+writes ``results.json``; ``python -m pixelsac.evaluate`` (:mod:`pixelsac.evaluate`) is its
+command line. Everything that can be refused is checked before the output folder is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pixelsac import cli
+from pixelsac.checkpoint import CheckpointError
+from pixelsac.config import REPORT_SEED_OFFSET, ConfigError
+
+#: the default seed is the training seed + this: episodes unseen in training and in choosing best.ckpt
+EVAL_SEED_OFFSET = REPORT_SEED_OFFSET
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """What ``python -m pixelsac.evaluate`` was asked to do (see the module docstring)."""
+
+    checkpoint: str
+    prefer: str = "best"
+    episodes: int = 10
+    seed: int | None = None
+    sample: bool = False
+    video: bool = True  # the point of evaluating a checkpoint is usually to watch it
+    video_episodes: tuple[int, ...] | None = (0,)  # None: every episode
+    video_size: int = 256
+    video_camera: int | None = None
+    agent_view: bool = False
+    out_dir: str | None = None
+    overwrite: bool = False
+    device: str = "auto"
+    trust_checkpoint: bool = False
+
+
+# --- loading --------------------------------------------------------------------------------------
+def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -> Any:
+    """The checkpoint's SACModule, in eval mode on ``device``, with its precision policy resolved
+    for that device (a run trained on a GPU evaluated on a CPU gets the CPU's compute path)."""
+
+    from pixelsac.module import SACModule
+    from pixelsac.precision import PrecisionPolicy, nonfinite_names
+
+    non_finite = nonfinite_names(checkpoint["state_dict"])
+    if non_finite:
+        raise CheckpointError(
+            f"{checkpoint_file} holds non-finite weights ({len(non_finite)} tensors, "
+            f"e.g. {non_finite[0]}): the run diverged before it was saved"
+        )
+    try:
+        module = SACModule.from_checkpoint(checkpoint)
+    except CheckpointError:
+        raise
+    except (KeyError, AttributeError, TypeError, ValueError) as exc:  # a config this version cannot read
+        raise CheckpointError(
+            f"{checkpoint_file} describes an agent this pixelsac cannot build "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
+    module = module.to(device)
+    module.precision_policy = PrecisionPolicy.from_config(module.cfg, device.type)
+    return module.eval()
+
+
+def make_env(config: dict[str, Any], seed: int) -> Any:
+    """The environment a checkpoint was trained on, built from the config it stores."""
+    try:
+        return cli.env_from_config(config, seed)
+    except (ConfigError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"the checkpoint's config has no usable env settings ({exc})") from exc
+
+
+def default_out_dir(checkpoint_file: Path, now: datetime.datetime | None = None) -> Path:
+    """``<run dir>/eval/<stem>-<date>-<time>`` for a checkpoint inside a run's ``checkpoints/``,
+    else ``eval/<stem>-<date>-<time>`` beside the checkpoint file."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    parent = checkpoint_file.parent
+    base = parent.parent if parent.name == "checkpoints" else parent
+    out_dir = base / "eval" / f"{checkpoint_file.stem}-{stamp}"
+    suffix = 2
+    while out_dir.exists():  # two evaluations within one second
+        out_dir = base / "eval" / f"{checkpoint_file.stem}-{stamp}-{suffix}"
+        suffix += 1
+    return out_dir
+
+
+# --- running --------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Evaluation:
+    """What one evaluation produced."""
+
+    out_dir: Path
+    results: dict[str, Any]
+    videos: list[Path]
+
+
+class _LengthCounter:
+    """``on_frame`` hook counting agent steps per episode (run_episodes reports returns only)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, int] = {}
+
+    def __call__(self, episode: int, env: Any) -> None:
+        self.calls[episode] = self.calls.get(episode, 0) + 1
+
+    def length(self, episode: int) -> int:
+        return self.calls.get(episode, 1) - 1  # the first call is the reset, not a step
+
+
+def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evaluation:
+    """Load, check, play and record; writes ``results.json`` (and videos) into the out dir.
+
+    Everything that can be refused (options, checkpoint, environment, video size) is checked
+    before the out dir is created. Raises ConfigError, CheckpointError or EnvError.
+    """
+    import torch
+
+    from pixelsac.checkpoint import load, resolve, saved_counters
+    from pixelsac.collect import run_episodes
+    from pixelsac.video import EpisodeRecorder
+
+    device = cli.resolve_device(options.device)
+    checkpoint_file = resolve(options.checkpoint, options.prefer).resolve()
+    checkpoint = load(checkpoint_file, map_location="cpu", trust=options.trust_checkpoint)
+    config = checkpoint["hyper_parameters"]["config"]
+    module = load_agent(checkpoint_file, checkpoint, device)
+    seed = options.seed if options.seed is not None else int(config.get("seed", 0)) + EVAL_SEED_OFFSET
+    env = make_env(config, seed)
+    try:
+        if tuple(env.obs_shape) != tuple(module.obs_shape) or env.action_dim != module.action_dim:
+            raise CheckpointError(
+                f"the checkpoint's networks take observations {tuple(module.obs_shape)} and "
+                f"{module.action_dim} actions, but its config builds {tuple(env.obs_shape)} "
+                f"and {env.action_dim}"
+            )
+        env.reset()  # renders: a missing OpenGL library is reported now, before anything is written
+        if options.video:
+            if options.agent_view and env.obs_kind != "pixels":
+                raise ConfigError("agent_view=true needs a policy trained from pixels; this one sees states")
+            env.render(options.video_size, options.video_camera)  # checks size and camera
+        out_dir = _prepare_out_dir(options, checkpoint_file)
+        counters = saved_counters(checkpoint)
+        out(f"checkpoint {checkpoint_file}")
+        out(
+            f"  {config['task']}, {module.precision_policy.describe()}; "
+            f"{_count(counters['env_frames'])} env frames, {_count(counters['updates'])} updates; on {device}"
+        )
+        out(
+            f"  {options.episodes} episode(s), seed {seed}, "
+            f"{'sampled' if options.sample else 'deterministic (mean)'} actions"
+        )
+
+        torch.manual_seed(seed)  # only sample=true draws random numbers
+        start = time.perf_counter()
+        returns, lengths, videos = [], [], []
+        out(_table_header())
+        for index in range(options.episodes):
+            counter = _LengthCounter()
+            filming = options.video and (options.video_episodes is None or index in options.video_episodes)
+            recorder = (
+                EpisodeRecorder(options.video_size, options.video_camera, options.agent_view, episodes={0})
+                if filming
+                else None
+            )
+            # One run_episodes call per episode: episodes follow each other on the same env exactly
+            # as in one call, but each video is written (and its frames freed) as soon as it ends.
+            hook = counter if recorder is None else _both(counter, recorder)
+            [episode_return] = run_episodes(env, module.act, 1, sample=options.sample, on_frame=hook)
+            returns.append(float(episode_return))
+            lengths.append(counter.length(0))
+            if recorder is not None:
+                videos.append(recorder.save(out_dir / f"episode_{index:03d}.mp4"))
+            out(_table_row(index, returns[-1], lengths[-1]))
+        wall_seconds = time.perf_counter() - start
+    finally:
+        env.close()
+
+    results = _results(
+        options,
+        checkpoint_file,
+        config,
+        module,
+        counters,
+        seed,
+        returns,
+        lengths,
+        videos,
+        out_dir,
+        wall_seconds,
+        env.action_repeat,
+        device,
+    )
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    out(_table_footer(returns))
+    out(
+        f"wrote {out_dir / 'results.json'}"
+        + (f" and {len(videos)} video(s)" if videos else "")
+        + f" in {wall_seconds:.1f} s"
+    )
+    return Evaluation(out_dir, results, videos)
+
+
+def _both(*hooks: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+    def call(episode: int, env: Any) -> None:
+        for hook in hooks:
+            hook(episode, env)
+
+    return call
+
+
+def _prepare_out_dir(options: EvalOptions, checkpoint_file: Path) -> Path:
+    if options.out_dir is None:
+        out_dir = default_out_dir(checkpoint_file)
+    else:
+        out_dir = cli.check_out_dir(options.out_dir, options.overwrite)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"
+
+
+def _table_header() -> str:
+    return f"{'episode':>8}  {'return':>9}  {'length':>6}"
+
+
+def _table_row(index: int, episode_return: float, length: int) -> str:
+    return f"{index:>8}  {episode_return:>9.2f}  {length:>6}"
+
+
+def _table_footer(returns: list[float]) -> str:
+    mean, std = float(np.mean(returns)), float(np.std(returns))
+    return (
+        f"{'mean':>8}  {mean:>9.2f}  ± {std:.2f} (std over {len(returns)} episodes; "
+        f"min {min(returns):.2f}, max {max(returns):.2f})"
+    )
+
+
+def _results(
+    options: EvalOptions,
+    checkpoint_file: Path,
+    config: dict[str, Any],
+    module: Any,
+    counters: dict[str, int | None],
+    seed: int,
+    returns: list[float],
+    lengths: list[int],
+    videos: list[Path],
+    out_dir: Path,
+    wall_seconds: float,
+    action_repeat: int,
+    device: Any,
+) -> dict[str, Any]:
+    from pixelsac.checkpoint import FORMAT_VERSION
+    from pixelsac.precision import SIX
+
+    policy = module.precision_policy
+    return {
+        "task": config["task"],
+        "checkpoint": str(checkpoint_file),
+        "env_frames": counters["env_frames"],
+        "updates": counters["updates"],
+        "precision": config.get("precision"),
+        "lowp": {name: bool(getattr(policy, name)) for name in SIX},
+        "training_seed": config.get("seed"),
+        "seed": seed,
+        "sample": options.sample,
+        "device": str(device),
+        "episodes": len(returns),
+        "returns": returns,
+        "lengths": lengths,  # agent steps; env frames = length x action_repeat
+        "action_repeat": action_repeat,
+        "mean": float(np.mean(returns)),
+        "std": float(np.std(returns)),  # population std, as the training log's eval/return_std
+        "min": float(min(returns)),
+        "max": float(max(returns)),
+        "all_finite": all(math.isfinite(r) for r in returns),
+        "wall_seconds": wall_seconds,
+        "videos": [str(path.relative_to(out_dir)) for path in videos],
+        "checkpoint_format": FORMAT_VERSION,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
