@@ -306,10 +306,12 @@ def hardware_line() -> str:
 
 def relative(path: str | Path) -> str:
     """A path inside the repository relative to it (records stay true on another machine)."""
-    try:
-        return str(Path(path).resolve().relative_to(REPO))
-    except ValueError:
-        return str(path)
+    for absolute in (Path(os.path.abspath(path)), Path(path).resolve()):  # a runs/ symlink stays inside
+        try:
+            return str(absolute.relative_to(REPO))
+        except ValueError:
+            continue
+    return str(path)
 
 
 def as_typed(command: Sequence[str]) -> str:
@@ -650,7 +652,9 @@ def export(out: Path, dest: Path, tasks: Sequence[str], modes: Sequence[str], se
                         # the runs were given absolute run_dir=...: written relative to the
                         # grid folder, so an export names no path of the machine that ran it
                         text = (run_dir / name).read_text()
-                        (target / name).write_text(text.replace(str(out.resolve()), "GRID"))
+                        for absolute in (str(out), str(out.resolve())):
+                            text = text.replace(absolute, "GRID")
+                        (target / name).write_text(text)
                         shutil.copystat(run_dir / name, target / name)
                 copied += 1
     print(f"exported the results and {copied} finished runs to {dest}")
@@ -714,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    out = Path(args.out).resolve()
+    out = Path(os.path.abspath(args.out))
     state = GridState(out)
     spec = state.data.get("spec") or {}
     if args.collect_only and not spec and args.tasks is None:
