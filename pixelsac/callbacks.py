@@ -93,11 +93,13 @@ class PlainProgress(LightningProgressBar):
         collector: Collector,
         budget_frames: int,
         every_seconds: float = 30.0,
+        evaluator: Evaluator | None = None,
         clock: Any = time.monotonic,
         out: Any = print,
     ) -> None:
         super().__init__()
         self.collector, self.budget_frames, self.every_seconds = collector, budget_frames, every_seconds
+        self.evaluator = evaluator
         self._clock, self._out = clock, out
         self._enabled = True
         self._last_time: float | None = None
@@ -127,9 +129,9 @@ class PlainProgress(LightningProgressBar):
             f"progress: env frames {frames:,}/{self.budget_frames:,}{share}, "
             f"updates {getattr(pl_module, 'updates', 0):,}, {rate:,.1f} frames/s"
         )
-        last_eval = trainer.callback_metrics.get("eval/return")
+        last_eval = getattr(self.evaluator, "last_return", None)
         if last_eval is not None:
-            text += f", last eval return {float(last_eval):.1f}"
+            text += f", last eval return {last_eval:.1f}"
         return text
 
 
@@ -176,6 +178,7 @@ class Evaluator(L.Callback):
         self.video_dir, self.video_every_evals, self.video_size = video_dir, video_every_evals, video_size
         self.next_eval = every_frames
         self.best_return = -math.inf
+        self.last_return: float | None = None  # of this process's latest evaluation (for progress lines)
         self.last_eval_frames = -1
         self.evaluations = 0
 
@@ -255,6 +258,7 @@ class Evaluator(L.Callback):
                 self.stop.save_now = True
             return None
         self.last_eval_frames = frames
+        self.last_return = float(mean)
         self.evaluations += 1
         if recorder is not None:
             recorder.save(self.video_dir / f"eval_{frames:09d}.mp4")

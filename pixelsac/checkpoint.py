@@ -111,8 +111,8 @@ def saved_counters(checkpoint: dict[str, Any]) -> dict[str, int | None]:
     """Where a checkpoint was written: ``env_frames`` over all data-parallel ranks (what logs
     count), ``world_size`` (None: written before it was recorded) and ``updates``; None where the
     checkpoint does not record a figure."""
-    collected = (callback_state(checkpoint, "Checkpointer") or {}).get("collector") or {}
     saved = callback_state(checkpoint, "Checkpointer") or {}
+    collected = saved.get("collector") or {}
     world = collected.get("world_size", len(saved["ranks"]) if saved.get("ranks") else None)
     frames = collected.get("env_frames")
     updates = (checkpoint.get("pixelsac") or {}).get("updates")

@@ -452,6 +452,12 @@ def load_options(
     return options
 
 
+def option_lines(name: str, prefix: str = "", conf: Path | None = None) -> dict[str, str]:
+    """Option -> its line of ``conf/<name>.yaml`` (name, default, meaning), as ``--help`` prints it."""
+    lines = ((conf or conf_dir()) / f"{name}.yaml").read_text().splitlines()
+    return {line.partition(":")[0]: prefix + line for line in lines if line and not line.startswith("#")}
+
+
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
     """The configuration as plain Python containers (what checkpoints and run directories hold)."""
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

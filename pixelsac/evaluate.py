@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pixelsac import cli
-from pixelsac.config import ConfigError, conf_dir, load_options, parse_overrides
+from pixelsac.config import ConfigError, load_options, option_lines
 from pixelsac.evaluation import EVAL_SEED_OFFSET, EvalOptions, Evaluation, evaluate, load_agent, make_env
 
 __all__ = [
@@ -36,11 +36,7 @@ __all__ = [
 USAGE = (
     (__doc__ or "")
     + "\noptions (conf/evaluate.yaml: name, default, meaning):\n"
-    + "\n".join(
-        f"  {line}"
-        for line in (conf_dir() / "evaluate.yaml").read_text().splitlines()
-        if line and not line.startswith("#")
-    )
+    + "\n".join(f"  {line}" for line in option_lines("evaluate").values())
 )
 
 
@@ -67,12 +63,11 @@ def parse_options(argv: Sequence[str]) -> EvalOptions:
     device = values["device"]
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise ConfigError(f"device={device!r}; choose {_DEVICES}")
-    given = parse_overrides(argv)
-    raw = {item.partition("=")[0].strip(): item.partition("=")[2] for item in argv}
-    video_options = [key for key in _VIDEO_OPTIONS if key in given]
-    if video_options and given.get("video") is False:
+    named = {item.partition("=")[0].strip() for item in argv}  # load_options checked them
+    video_options = [key for key in _VIDEO_OPTIONS if key in named]
+    if video_options and not values["video"]:  # the default is true: false was asked for
         raise ConfigError(f"video=false contradicts {', '.join(video_options)}; drop one of them")
-    values["video_episodes"] = _episode_list(values["video_episodes"], raw.get("video_episodes", "0"))
+    values["video_episodes"] = _episode_list(values["video_episodes"], str(values["video_episodes"]))
     options = EvalOptions(**values)
     if options.video_episodes is not None:
         beyond = [e for e in options.video_episodes if e >= options.episodes]

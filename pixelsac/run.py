@@ -143,9 +143,9 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
         if conflict:
             raise ConfigError(conflict)
     run_dir = shared_run_dir(cfg, rank)
-    if rank == 0 and resume_from is None and not cfg.overwrite and not cli.out_dir_is_free(run_dir):
-        if cfg.resume != "auto":
-            cli.check_out_dir(run_dir, False, "run_dir", hint=f"resume={run_dir}")
+    if rank == 0 and resume_from is None and cfg.resume != "auto":
+        cli.check_out_dir(run_dir, cfg.overwrite, "run_dir", hint=f"resume={run_dir}")
+    elif rank == 0 and resume_from is None and not cfg.overwrite and not cli.out_dir_is_free(run_dir):
         if not (run_dir / "config.yaml").is_file():  # a previous attempt that saved no checkpoint is fine
             raise UsageError(
                 f"run_dir {run_dir} is not empty and holds no pixelsac run (no config.yaml, no "
@@ -192,22 +192,18 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
 
     episode_steps = -(-cfg.env.episode_frames // env.action_repeat) * cfg.env.num_envs
     checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps, stop=stop)
-    callbacks = [
-        TrainingLogger(collector),
-        Evaluator(
-            eval_env,
-            collector,
-            checkpointer,
-            cfg.train.eval_every_frames,
-            cfg.train.eval_episodes,
-            video_dir=run_dir / "videos",
-            video_every_evals=cfg.train.video_every_evals,
-            video_size=min(cfg.train.video_size, 480),
-            stop=stop,
-        ),
+    evaluator = Evaluator(
+        eval_env,
+        collector,
         checkpointer,
-        StopWhenCollected(stream),
-    ]
+        cfg.train.eval_every_frames,
+        cfg.train.eval_episodes,
+        video_dir=run_dir / "videos",
+        video_every_evals=cfg.train.video_every_evals,
+        video_size=min(cfg.train.video_size, 480),
+        stop=stop,
+    )
+    callbacks = [TrainingLogger(collector), evaluator, checkpointer, StopWhenCollected(stream)]
     stopper = None
     if stop is not None:
         stopper = StopOnSignal(
@@ -221,7 +217,7 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
         trainer.callbacks[i] = (
             ProgressBar(collector)
             if progress_is_a_terminal()
-            else PlainProgress(collector, cfg.train.env_frames, cfg.train.progress_every_seconds)
+            else PlainProgress(collector, cfg.train.env_frames, cfg.train.progress_every_seconds, evaluator)
         )
     trainer.callbacks.extend(callbacks)
     if cfg.perf.track:  # first: its update clock must stop before any other callback's batch-end work

@@ -23,16 +23,15 @@ class Clock:
 def test_plain_progress_prints_a_line_every_interval_only():
     collector = SimpleNamespace(total_env_frames=0)
     clock, lines = Clock(), []
-    bar = PlainProgress(
-        collector, budget_frames=1000, every_seconds=30.0, clock=clock, out=lambda text, flush: lines.append(text)
-    )
-    trainer = SimpleNamespace(callback_metrics={})
+    evaluator = SimpleNamespace(last_return=None)  # what the Evaluator sets after each evaluation
+    bar = PlainProgress(collector, 1000, 30.0, evaluator, clock=clock, out=lambda text, flush: lines.append(text))
+    trainer = SimpleNamespace()
     module = SimpleNamespace(updates=0)
     bar.on_train_start(trainer, module)
     for step in range(1, 100):  # one update per simulated second
         clock.now, collector.total_env_frames, module.updates = float(step), 4 * step, step
         if step == 70:
-            trainer.callback_metrics["eval/return"] = torch.tensor(123.25)
+            evaluator.last_return = 123.25
         bar.on_train_batch_end(trainer, module, None, None, step)
     assert lines == [
         "progress: env frames 120/1,000 (12%), updates 30, 4.0 frames/s",

@@ -11,10 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from pixelsac import cli
-from pixelsac.config import COMPILE_MODES, SIX, ConfigError, conf_dir, load_config, load_options
+from pixelsac.config import COMPILE_MODES, SIX, ConfigError, load_config, load_options, option_lines
 
 
 class BenchError(ConfigError):
@@ -81,7 +79,7 @@ def _modes() -> dict[str, Mode]:
 
 MODES = _modes()
 #: the modes run when bench.modes is not given: conf/bench.yaml's default
-DEFAULT_MODES = tuple(str(OmegaConf.load(conf_dir() / "bench.yaml").modes).split(","))
+DEFAULT_MODES = tuple(str(load_options("bench", [])["modes"]).split(","))
 ABLATIONS = ("fp16-six", "bf16-six", *(f"fp16-no-{switch}" for switch in SIX))
 
 
@@ -91,15 +89,9 @@ _AUTO_ON_OFF = ("auto", "off", "on", "both")
 _BATCH_SOURCES = ("host", "pinned", "device")
 
 
-def _option_help() -> dict[str, str]:
-    """bench.* option -> its line of ``conf/bench.yaml`` (default and what it means)."""
-    lines = (conf_dir() / "bench.yaml").read_text().splitlines()
-    return {line.partition(":")[0]: line for line in lines if line and not line.startswith("#")}
-
-
-OPTIONS = _option_help()
+OPTIONS = option_lines("bench", prefix="bench.")
 OPTIONS_USAGE = "\nbench.* options (conf/bench.yaml: name, default, meaning):\n" + "\n".join(
-    f"  bench.{line}" for line in OPTIONS.values()
+    f"  {line}" for line in OPTIONS.values()
 )
 
 

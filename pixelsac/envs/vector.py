@@ -22,6 +22,17 @@ import numpy as np
 
 from pixelsac.envs.dmc import DMCEnv, EnvError, TimeStep
 
+#: what every env of a set has alike (asked of the first, or reported once by each worker)
+SHARED_ATTRIBUTES = (
+    "obs_shape",
+    "frame_shape",
+    "frame_dtype",
+    "action_dim",
+    "action_repeat",
+    "frame_stack",
+    "episode_frames",
+)
+
 
 class EnvWorkerError(RuntimeError):
     """An environment worker process failed; the message carries its error."""
@@ -40,16 +51,7 @@ class SerialEnvs:
 
     def __getattr__(self, name: str) -> Any:
         # shapes, dtypes, action repeat... are the same for every env: ask the first
-        if name in (
-            "obs_shape",
-            "frame_shape",
-            "frame_dtype",
-            "action_dim",
-            "action_repeat",
-            "frame_stack",
-            "episode_frames",
-            "task",
-        ):
+        if name in (*SHARED_ATTRIBUTES, "task"):
             return getattr(self.envs[0], name)
         raise AttributeError(name)
 
@@ -86,18 +88,7 @@ def _worker(conn: Connection, task: str, seed: int, env_kwargs: dict) -> None:
         conn.send(
             (
                 "ok",
-                {
-                    name: getattr(env, name)
-                    for name in (
-                        "obs_shape",
-                        "frame_shape",
-                        "frame_dtype",
-                        "action_dim",
-                        "action_repeat",
-                        "frame_stack",
-                        "episode_frames",
-                    )
-                },
+                {name: getattr(env, name) for name in SHARED_ATTRIBUTES},
             )
         )
     except BaseException as exc:  # noqa: BLE001 -- report anything, including EnvError

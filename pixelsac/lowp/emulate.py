@@ -285,11 +285,10 @@ class _BatchChunked(torch.autograd.Function):
         for start in range(0, x.shape[0], ctx.chunk):
             end = start + ctx.chunk
             g32 = grad_out[start:end].float()
-            x32 = x[start:end].float() if need_w else None
+            # the conv kernel reads the input's geometry even for the input gradient alone
+            x32 = x[start:end].float() if need_w or ctx.conv is not None else None
             if ctx.conv is not None:
                 stride, padding, dilation, groups = ctx.conv
-                if x32 is None:
-                    x32 = x[start:end].float()  # the kernel reads the input's geometry
                 gx, gw, gb = torch.ops.aten.convolution_backward(
                     g32,
                     x32,
