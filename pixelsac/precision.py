@@ -176,12 +176,14 @@ class PrecisionPolicy:
         """Observations (uint8 pixels or fp32 states) and batch floats enter the model dtype once."""
         return tensor.to(self.param_dtype)
 
-    def compute_context(self) -> contextlib.AbstractContextManager:
-        """Wraps every forward pass: autocast for AMP, tensor-core emulation on a CPU, else nothing."""
+    def compute_context(self, save_low_precision: bool = True) -> contextlib.AbstractContextManager:
+        """Wraps every forward pass: autocast for AMP, tensor-core emulation on a CPU, else nothing.
+        ``save_low_precision``: what the emulation keeps for backward (see ``lowp.fp32_accumulate``;
+        the benchmark times both forms)."""
         if self.mode == "amp":
             return torch.autocast(self.device_type, dtype=torch.float16)
         if self.fp32_accumulate:
-            return lowp.fp32_accumulate(batch_chunk=self.emulate_batch_chunk)
+            return lowp.fp32_accumulate(save_low_precision, batch_chunk=self.emulate_batch_chunk)
         return contextlib.nullcontext()
 
     # --- builders -----------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from typing import Any
 import lightning as L
 import torch
 
-from pixelsac import lowp
 from pixelsac.cli import quiet_lightning
 from pixelsac.config import SIX
 from pixelsac.module import SACModule
@@ -78,11 +77,7 @@ class _EmulationFormPolicy:
         return getattr(self._policy, name)
 
     def compute_context(self) -> Any:
-        if self._policy.mode != "amp" and self._policy.fp32_accumulate:
-            return lowp.fp32_accumulate(
-                save_low_precision=self.save_low_precision, batch_chunk=self._policy.emulate_batch_chunk
-            )
-        return self._policy.compute_context()
+        return self._policy.compute_context(self.save_low_precision)
 
 
 def interleaved_forms(warmup: int, updates: int) -> list[bool]:
