@@ -199,7 +199,7 @@ class SACModule(L.LightningModule):
     @torch.no_grad()
     def act(self, obs: np.ndarray, sample: bool) -> np.ndarray:
         """Actions in [-1, 1] for a batch of observations (N, *obs_shape); float32 numpy."""
-        obs_t = self.precision_policy.cast_input(torch.as_tensor(obs, device=self.device))
+        obs_t = self.precision_policy.cast_observation(torch.as_tensor(obs, device=self.device))
         with self.precision_policy.compute_context():
             dist = self._dist(self.critic.trunk(obs_t))
             action = dist.sample() if sample else dist.mean
@@ -318,10 +318,10 @@ class SACModule(L.LightningModule):
         returns the losses as tensors. ``graph_safe``: raw torch optimizers and backward, no host
         bookkeeping (see :mod:`pixelsac.graphs`)."""
         agent = self.cfg.agent
-        cast = self.precision_policy.cast_input
+        cast, observe = self.precision_policy.cast_input, self.precision_policy.cast_observation
         # shifted as uint8 frames and cast after: the same values, a quarter of the bytes to move
-        next_aug = cast(self.augment.copies(batch["next_obs"], agent.aug_target_copies))
-        obs_aug = cast(self.augment.copies(batch["obs"], agent.aug_q_copies))
+        next_aug = observe(self.augment.copies(batch["next_obs"], agent.aug_target_copies))
+        obs_aug = observe(self.augment.copies(batch["obs"], agent.aug_q_copies))
         action, reward, not_terminal = cast(batch["action"]), cast(batch["reward"]), cast(batch["not_terminal"])
         critic_opt, actor_opt, alpha_opt = self.optimizers()
 

@@ -3,8 +3,8 @@ the double-Q critic. For state observations the trunk and projections are the id
 
 Layout (DrQ, Kostrikov et al. 2020)::
 
-    obs (uint8 frames, cast once to the model dtype)
-      -> ConvTrunk: /255, conv3x3 s2 + (L-1) x conv3x3 s1, 32 ch, ReLU -> flat      (shared)
+    obs (uint8 frames) -> /255 in the model dtype, once per batch (PrecisionPolicy.cast_observation)
+      -> ConvTrunk: conv3x3 s2 + (L-1) x conv3x3 s1, 32 ch, ReLU -> flat      (shared)
       -> Projection: Linear -> LayerNorm -> tanh                       (one per head)
       -> Actor: MLP -> (mu, log_std),   Critic: two MLPs on [features, action] -> Q1, Q2
 
@@ -56,10 +56,10 @@ class ConvTrunk(nn.Module):
         side_w = (width - 3) // 2 + 1 - 2 * (num_layers - 1)
         self.out_dim = num_filters * side_h * side_w
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        # Pixels arrive as 0..255 in the model dtype (exact in fp16); scaling here keeps the
-        # augmentation working on exact integers.
-        return self.convs(obs / 255.0).flatten(1)
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        # Pixels arrive scaled to [0, 1] (PrecisionPolicy.cast_observation: once per batch, after
+        # the augmentation has shifted the exact uint8 frames), not as DrQ's encoder takes them.
+        return self.convs(pixels).flatten(1)
 
 
 class IdentityTrunk(nn.Module):

@@ -173,8 +173,23 @@ class PrecisionPolicy:
         return module.to(self.param_dtype)
 
     def cast_input(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Observations (uint8 pixels or fp32 states) and batch floats enter the model dtype once."""
+        """Batch floats (actions, rewards, state observations) enter the model dtype once."""
         return tensor.to(self.param_dtype)
+
+    def cast_observation(self, obs: torch.Tensor) -> torch.Tensor:
+        """Observations as the networks read them, in the model dtype.
+
+        uint8 pixels become ``float(obs) / 255`` -- DrQ's encoder's first op, bit for bit: the
+        frame enters the model dtype exactly (0..255 are exact in fp16 and bf16) and the division
+        is the same op in place -- once per batch instead of once per network that reads it (the
+        critic, its target and the actor read the same copies), and in the convolutions' layout
+        (channels-last where the policy lays them out so), so that no network makes its own copy.
+        Anything else (state vectors) is cast like :meth:`cast_input`.
+        """
+        if obs.dtype != torch.uint8:
+            return obs.to(self.param_dtype)
+        layout = torch.channels_last if self.channels_last and obs.dim() == 4 else torch.contiguous_format
+        return obs.to(self.param_dtype, memory_format=layout).div_(255.0)
 
     def compute_context(self, save_low_precision: bool = True) -> contextlib.AbstractContextManager:
         """Wraps every forward pass: autocast for AMP, tensor-core emulation on a CPU, else nothing.

@@ -134,7 +134,7 @@ def test_actor_loss_does_not_train_the_convolutions():
     torch.manual_seed(0)
     module = make_module("precision=fp32")
     fit(module, [])  # sets the trainer up without an update
-    obs = module.precision_policy.cast_input(make_batch()["obs"])
+    obs = module.precision_policy.cast_observation(make_batch()["obs"])
     actor_loss, _, _ = module.actor_and_alpha_loss(obs)
     actor_loss.backward()
     assert all(p.grad is None for p in module.critic.trunk.parameters())
@@ -184,7 +184,7 @@ def test_update_uses_k_target_copies_m_q_copies_and_the_first_for_the_actor():
     fit(module, [make_batch()])
     # shifted as uint8 frames (cast after), next_obs first
     assert calls[0] == (torch.uint8, 3, 12) and calls[1] == (torch.uint8, 2, 8)
-    q_copies = calls[2].float()
+    q_copies = calls[2].float() / 255.0  # as the networks read them (cast_observation)
     assert len(actor_inputs) == 1 and actor_inputs[0].shape[0] == 4
     assert torch.equal(actor_inputs[0], q_copies[:4])
 

@@ -25,7 +25,7 @@ def test_conv_trunk_output_size_matches_its_formula(layers, side):
 
 def test_pixel_networks_shapes_and_the_detached_trunk():
     actor, critic = build_networks((9, 24, 24), 3, agent_cfg())
-    obs = torch.rand(5, 9, 24, 24) * 255
+    obs = torch.rand(5, 9, 24, 24)  # pixels scaled to [0, 1], as cast_observation gives them
     q1, q2 = critic(obs, torch.zeros(5, 3))
     assert q1.shape == q2.shape == (5, 1) and not torch.equal(q1, q2)  # two independent heads
     mu, log_std = actor(critic.trunk(obs).detach())
@@ -67,7 +67,7 @@ def test_speed_options_change_layout_and_compile_in_place():
 
     agent = Agent()
     names = [n for n, _ in agent.named_parameters()]
-    obs, action = torch.rand(2, 9, 24, 24) * 255, torch.zeros(2, 2)
+    obs, action = torch.rand(2, 9, 24, 24), torch.zeros(2, 2)
     before = agent.critic(obs, action)
     apply_speed_options(agent, channels_last=True, compile=True, compile_backend="eager")
     conv = agent.critic.trunk.convs[0].weight

@@ -43,6 +43,21 @@ def test_modes_and_switches():
     assert "modifications: none" in policy("precision=fp16", "lowp.all=false").describe()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_observations_are_scaled_once_bit_for_bit_as_drq_scales_them(precision, channels_last):
+    frames = torch.randint(0, 256, (3, 9, 8, 8), dtype=torch.uint8)
+    kept = frames.clone()
+    chosen = policy(f"precision={precision}", f"perf.channels_last={str(channels_last).lower()}")
+    pixels = chosen.cast_observation(frames)
+    reference = frames.to(chosen.param_dtype) / 255.0  # DrQ's encoder: obs / 255 in the model dtype
+    assert pixels.dtype == chosen.param_dtype and torch.equal(pixels, reference)
+    assert pixels.is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert torch.equal(frames, kept)  # the division is in place on the cast copy, never on the frames
+    states = torch.randn(3, 5)
+    assert torch.equal(chosen.cast_observation(states), states.to(chosen.param_dtype))  # vectors: cast only
+
+
 def _kahan_comps(trainer: L.Trainer) -> dict:
     return {p: st["kahan_comp"] for opt in trainer.optimizers for p, st in opt.state.items() if "kahan_comp" in st}
 
