@@ -364,7 +364,7 @@ def nonfinite_names(groups: Mapping[str, torch.Tensor | Iterable[torch.Tensor]])
         ]
         if floating:
             names.append(name)
-            flags.append(torch.stack([t.isfinite().all() for t in floating]).all())
+            flags.append(torch.stack([lowp.all_finite(t) for t in floating]).all())
     if not flags:
         return []
     return [name for name, ok in zip(names, torch.stack(flags).tolist()) if not ok]

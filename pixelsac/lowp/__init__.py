@@ -10,6 +10,7 @@ torch:
 * :class:`KahanEMA` — Kahan-momentum for the target network.
 * :class:`SquashedNormal` — tanh-Gaussian with the softplus-fix and normal-fix.
 * :func:`fp32_accumulate` — CPU emulation of fp16 tensor-core matmuls/convolutions.
+* :func:`all_finite` — one-pass finiteness checks for gradients and optimizer state.
 * :func:`stochastic_round` — deterministic, unbiased rounding from float32 into fp16/bf16
   (hAdam's ``unbiased_moments``, beyond the paper).
 """
@@ -22,6 +23,7 @@ from .distributions import (
 )
 from .ema import KahanEMA
 from .emulate import fp32_accumulate
+from .finite import all_finite
 from .hadam import HAdam
 from .kahan import kahan_add_
 from .kahan_adam import KahanAdam
@@ -46,6 +48,7 @@ __all__ = [
     "gaussian_log_prob",
     "tanh_log_abs_det_jacobian",
     "fp32_accumulate",
+    "all_finite",
     "kahan_add_",
     "stochastic_round",
 ]

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .finite import all_finite
 from .kahan import kahan_add_
 
 __all__ = ["KahanEMA"]
@@ -194,11 +195,11 @@ class KahanEMA(nn.Module):
         scaled, _ = self._buffers_in_order()
         if not scaled:
             return
-        flags = torch.stack([torch.isfinite(t).all().to(scaled[0].device) for t in scaled])
+        flags = torch.stack([all_finite(t).to(scaled[0].device) for t in scaled])
         if bool(flags.all()):
             return
         for name, tensor in zip(self.param_names, scaled):
-            if not bool(torch.isfinite(tensor).all()):
+            if not bool(all_finite(tensor)):
                 raise FloatingPointError(
                     f"KahanEMA: K·θ is not finite for parameter {name!r} (K = {self.scale:g}, "
                     f"dtype {tensor.dtype}); |θ| must stay below "

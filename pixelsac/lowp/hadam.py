@@ -75,6 +75,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from .finite import all_finite
 from .kahan import kahan_add_
 from .rounding import as_int32, mix_key, stochastic_round
 
@@ -353,7 +354,7 @@ class HAdam(Optimizer):
         if _unbiased(group, bucket):
             return self._fp32_overflows(group, bucket)
         candidates = self._published_candidates(group, bucket)
-        flags = [torch.isfinite(t).all() for t in (*candidates["exp_avg_root"], *candidates["denom"])]
+        flags = [all_finite(t) for t in (*candidates["exp_avg_root"], *candidates["denom"])]
         return ~torch.stack(flags).all()
 
     def _apply(self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None) -> None:
@@ -485,7 +486,7 @@ class HAdam(Optimizer):
         for pack in packs:
             views = self._pack_views(bucket, pack)
             grad32, root32 = self._pack_root32(group, views)
-            flags.append(~(root32 <= largest).all())  # NaN counts as overflow too
+            flags.append(~(root32.amax() <= largest))  # root32 >= 0; a NaN propagates into amax: overflow too
             if len(packs) == 1:  # one pack: keep its work for the step (at most chunk_numel floats)
                 bucket["fp32_pack"] = (pack, views, grad32, root32)
         return torch.stack(flags).any()
@@ -665,6 +666,6 @@ class HAdam(Optimizer):
         tensors = self._moment_tensors()
         if not tensors:
             return True
-        flags = [torch.isfinite(t * factor).all() for t in tensors]
+        flags = [all_finite(t, factor) for t in tensors]
         # One host sync for the whole optimizer rather than one per tensor.
         return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())

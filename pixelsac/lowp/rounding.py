@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from .finite import finite_bits
+
 __all__ = ["as_int32", "mix_key", "random_bits", "random_bits_at", "stochastic_round"]
 
 _MASK32 = 0xFFFFFFFF
@@ -126,5 +128,5 @@ def stochastic_round(
         noise = random_bits_at(counter, key, dropped)
     pattern = noise.add_(flat.view(torch.int32)).bitwise_and_(~((1 << dropped) - 1))
     # NaN and inf patterns must not carry into a different value; leave them as they are
-    pattern = torch.where(torch.isfinite(flat), pattern, flat.view(torch.int32))
+    pattern = torch.where(finite_bits(flat), pattern, flat.view(torch.int32))
     return pattern.view(torch.float32).to(dtype).view(x.shape)

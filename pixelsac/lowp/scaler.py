@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from .finite import all_finite
 from .hadam import HAdam
 from .kahan_adam import KahanAdam
 
@@ -109,8 +110,8 @@ def optimizer_state_is_finite_after(optimizer: Optimizer, factor: float) -> bool
     for state in optimizer.state.values():
         if not state:
             continue
-        flags.append(torch.isfinite(state["exp_avg"] * factor).all())
-        flags.append(torch.isfinite(state["exp_avg_sq"] * (factor * factor)).all())
+        flags.append(all_finite(state["exp_avg"], factor))
+        flags.append(all_finite(state["exp_avg_sq"], factor * factor))
     if not flags:
         return True
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
@@ -265,7 +266,7 @@ class CompoundLossScaler:
             for param in group["params"]:
                 device = device or param.device
                 if param.grad is not None:
-                    flags.append(~torch.isfinite(param.grad * self.overflow_margin).all())
+                    flags.append(~all_finite(param.grad, self.overflow_margin))
         if not flags:
             # Still a tensor on the params' device, so a collective all-reduce can take it.
             return torch.zeros((), device=device)
