@@ -187,7 +187,7 @@ class PrecisionPolicy:
         Anything else (state vectors) is cast like :meth:`cast_input`.
         """
         if obs.dtype != torch.uint8:
-            return obs.to(self.param_dtype)
+            return self.cast_input(obs)
         layout = torch.channels_last if self.channels_last and obs.dim() == 4 else torch.contiguous_format
         return obs.to(self.param_dtype, memory_format=layout).div_(255.0)
 

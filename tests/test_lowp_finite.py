@@ -66,8 +66,3 @@ def test_finite_bits_is_isfinite_for_every_float32_pattern_class():
         assert torch.equal(finite_bits(tensor), torch.isfinite(tensor))
     with pytest.raises(TypeError):
         finite_bits(torch.ones(2, dtype=torch.float16))
-
-
-def test_the_max_reduction_hadam_uses_propagates_nan():
-    root = torch.tensor([1.0, float("nan"), 2.0])
-    assert not bool(root.amax() <= 65504.0)

@@ -93,6 +93,24 @@ def test_unbiased_moments_track_float64_adam_and_the_published_arithmetic_does_n
     assert not BAND[0] <= published <= BAND[1], (unbiased, published)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_handed_to_hadam_itself_is_not_applied(bad):
+    """Without a scaler in front, hAdam's own overflow check (the float32 path reduces the new
+    root moment to its maximum) must see a NaN as well as an inf: no step, the state unchanged."""
+    param = torch.full((5,), 0.5, dtype=F16, requires_grad=True)
+    opt = HAdam([param], lr=1e-3, eps=1e-4, kahan=True, unbiased_moments=True)
+    param.grad = torch.ones(5, dtype=F16)
+    opt.step()
+    before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[param].items()}
+    weights = param.detach().clone()
+    param.grad = torch.tensor([0.1, bad, 0.2, 0.3, 0.4], dtype=F16)
+    opt.step()
+    assert opt.state_overflow is True
+    assert torch.equal(param.detach(), weights)
+    for key, value in opt.state[param].items():
+        assert torch.equal(value, before[key]) if torch.is_tensor(value) else value == before[key], key
+
+
 def test_a_finite_gradient_that_would_overflow_the_root_moment_is_a_skip_not_a_freeze():
     """The freeze of the published arithmetic: a true gradient of 2.5 at S = 1e4 is 2.5e4 in fp16,
     finite, but s (≈3.16·|g| at steady state) and the step-1 denominator (s/sqrt(1-β2) = 3.16·|g|)
