@@ -159,6 +159,17 @@ class Evaluator(L.Callback):
     its checkpoint holds the weights the evaluation was for, and the resumed run evaluates first
     (:meth:`on_train_start`) -- the same episodes, the same return, the row the run would have
     logged. A final evaluation given up this way is what ``resume`` then runs.
+
+    With a ``worker`` (:class:`pixelsac.eval_worker.EvalWorker`, ``train.eval_in_worker``), an
+    evaluation that comes due is handed to the worker with a copy of the acting weights and the
+    eval env's RNG state, and training goes on; one evaluation is in flight at a time. Its row is
+    logged when the result comes back, at the frame it was taken at, with that frame's counters.
+    The checkpoint requested for it is written when it would be without a worker (the next episode
+    boundary) and kept aside as the candidate for ``best.ckpt``, which it becomes if the return
+    improved: ``best.ckpt`` holds the same weights either way. A checkpoint written while an
+    evaluation is in flight stores it (``pending``: its frame, weights and RNG state), and a run
+    resumed from it evaluates it again first. The returns, videos, checkpoints' weights and the
+    training itself are bit for bit those without a worker.
     """
 
     def __init__(
@@ -172,8 +183,12 @@ class Evaluator(L.Callback):
         video_every_evals: int = 0,
         video_size: int = 256,
         stop: StopRequest | None = None,
+        worker: Any = None,
     ) -> None:
         self.env, self.collector, self.checkpointer, self.stop = env, collector, checkpointer, stop
+        self.worker = worker
+        # the evaluation in the worker: frames, acting weights, env RNG before it, counters, video
+        self.pending: dict[str, Any] | None = None
         self.every_frames, self.episodes = every_frames, episodes
         self.video_dir, self.video_every_evals, self.video_size = video_dir, video_every_evals, video_size
         self.next_eval = every_frames
@@ -188,7 +203,8 @@ class Evaluator(L.Callback):
             "best_return": self.best_return,
             "evaluations": self.evaluations,
             "last_eval_frames": self.last_eval_frames,
-            "env_rng": self.env.get_rng_state(),
+            "env_rng": self.env.get_rng_state(),  # before the pending evaluation, if any
+            "pending": self.pending,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -197,19 +213,33 @@ class Evaluator(L.Callback):
         self.last_eval_frames = int(state["last_eval_frames"])
         self.evaluations = int(state.get("evaluations", 0))
         self.env.set_rng_state(state["env_rng"])
+        self.pending = state.get("pending")
 
     def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
-        """An evaluation that a stop gave up on runs now, before any update changes the weights."""
+        """An evaluation in flight when the checkpoint was written, or one that a stop gave up
+        on, runs now, before any update changes the weights."""
+        if self.pending is not None:
+            self._resume_pending(trainer, module)
         if self.collector.total_env_frames >= self.next_eval:
             self._evaluate_due(trainer, module)
             if self.collector.at_episode_boundary:  # as the uninterrupted run saved right after it
                 self.checkpointer.save_pending(trainer, module)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._collect(trainer, wait=False)
         if self.collector.total_env_frames >= self.next_eval:
             self._evaluate_due(trainer, module)
 
     def _evaluate_due(self, trainer: L.Trainer, module: Any) -> None:
+        if self.worker is not None:
+            self._collect(trainer, wait=True)  # one evaluation in flight at a time
+            if self._submit(module):
+                self.checkpointer.request(best=False, keep_candidate=True)
+            else:
+                self.checkpointer.request(best=False)
+            while self.next_eval <= self.collector.total_env_frames:
+                self.next_eval += self.every_frames
+            return
         best = self.evaluate(trainer, module)
         if best is None:
             return  # given up on a stop signal: still due, and the run stops here
@@ -220,6 +250,9 @@ class Evaluator(L.Callback):
     def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
         if self.stop is not None and self.stop.stopped:
             return  # stopped by a signal, saved by StopOnSignal: the final evaluation is for the real end
+        if self.worker is not None:
+            self._final_in_worker(trainer, module)
+            return
         best = self.evaluate(trainer, module) if self.collector.total_env_frames != self.last_eval_frames else False
         if best is None and self.stop is not None:
             self.stop.gave_up_final_evaluation = True  # saved below all the same; a resume runs it
@@ -279,6 +312,145 @@ class Evaluator(L.Callback):
             self.best_return = float(mean)
         return bool(improved)
 
+    # --- in the worker --------------------------------------------------------------------------
+    def _film(self) -> bool:
+        return bool(
+            self.video_dir
+            and self.video_every_evals
+            and (self.evaluations + 1) % self.video_every_evals == 1 % self.video_every_evals
+        )
+
+    def _submit(self, module: Any) -> bool:
+        """Hand the evaluation due now to the worker; False when there is none to run."""
+        from pixelsac.eval_worker import acting_weights
+
+        frames = self.collector.total_env_frames
+        if self.episodes <= 0:
+            self.last_eval_frames = frames
+            return False
+        self.pending = {
+            "frames": frames,
+            "weights": acting_weights(module),
+            "env_rng": self.env.get_rng_state(),
+            "counters": _counters(self.collector, module),
+            "film": self._film(),
+        }
+        self._send()
+        return True
+
+    def _send(self) -> None:
+        from pixelsac.eval_worker import EvalJob
+
+        pending = self.pending
+        video = None
+        if pending["film"] and self.video_dir is not None:
+            self.video_dir.mkdir(parents=True, exist_ok=True)
+            video = str(self.video_dir / f"eval_{pending['frames']:09d}.mp4")
+        self.worker.submit(
+            EvalJob(pending["frames"], pending["weights"], pending["env_rng"], self.episodes, video, self.video_size)
+        )
+
+    def _resume_pending(self, trainer: L.Trainer, module: Any) -> None:
+        self.checkpointer.adopt_candidate()
+        if self.worker is None:  # resumed without a worker: evaluate the stored weights here
+            self.worker = _InProcess(self.env, module)
+            try:
+                self._send()
+                self._finish(trainer, self.worker.wait())
+            finally:
+                self.worker = None
+            return
+        self._send()
+
+    def _collect(self, trainer: L.Trainer, wait: bool) -> bool | None:
+        """Take the worker's result if there is one (``wait``: block for it); whether it improved."""
+        if self.pending is None or self.worker is None or not self.worker.busy:
+            return None
+        result = self.worker.wait() if wait else self.worker.poll()
+        if result is None:
+            return None
+        return self._finish(trainer, result)
+
+    def _finish(self, trainer: L.Trainer, result: Any) -> bool | None:
+        pending = self.pending
+        if result.returns is None:  # given up (a stop signal during the final evaluation)
+            return None
+        self.pending = None
+        mean = float(np.mean(result.returns))
+        self.env.set_rng_state(result.env_rng)
+        self.last_eval_frames = pending["frames"]
+        self.last_return = mean
+        self.evaluations += 1
+        _log(
+            trainer,
+            {
+                "eval/return": mean,
+                "eval/return_std": float(np.std(result.returns)),
+                "eval/seconds": result.seconds,
+                **pending["counters"],
+            },
+            step=pending["frames"],
+        )
+        for logger in trainer.loggers:
+            logger.save()
+        improved = mean > self.best_return
+        if improved:
+            self.best_return = mean
+        self.checkpointer.resolve_candidate(improved)
+        return improved
+
+    def _final_in_worker(self, trainer: L.Trainer, module: Any) -> None:
+        """The end of the run: the evaluation in flight, then one at the last frame, then save."""
+        self._collect(trainer, wait=True)
+        if self.collector.total_env_frames != self.last_eval_frames and self._submit(module):
+            result = self._wait_or_give_up()
+            if self._finish(trainer, result) is None:
+                self.stop.gave_up_final_evaluation = True  # pending stays in the checkpoint; a resume runs it
+        self.checkpointer.request(best=False)
+        self.checkpointer.save_pending(trainer, module)
+
+    def _wait_or_give_up(self) -> Any:
+        """The worker's result; a stop signal meanwhile cancels the evaluation (returns None)."""
+        while True:
+            result = self.worker.poll()
+            if result is not None:
+                return result
+            if self.stop is not None and self.stop.pending:
+                self.worker.cancel()
+                return self.worker.wait()
+            time.sleep(0.05)
+
+
+class _InProcess:
+    """The worker's interface, evaluating in this process (a pending evaluation resumed by a run
+    without a worker)."""
+
+    def __init__(self, env: DMCEnv, module: Any) -> None:
+        self.env, self.module = env, module
+        self.busy, self._job = False, None
+
+    def submit(self, job: Any) -> None:
+        self._job, self.busy = job, True
+
+    def wait(self) -> Any:
+        from pixelsac.eval_worker import EvalResult, acting_weights
+
+        job, self.busy = self._job, False
+        current = acting_weights(self.module)
+        self.module.actor.load_state_dict(job.weights["actor"])
+        self.module.critic.trunk.load_state_dict(job.weights["critic.trunk"])
+        start = time.perf_counter()
+        try:
+            self.env.set_rng_state(job.env_rng)
+            recorder = EpisodeRecorder(size=job.video_size, episodes={0}) if job.video_path else None
+            returns = run_episodes(self.env, self.module.act, job.episodes, on_frame=recorder)
+            if recorder is not None:
+                recorder.save(Path(job.video_path))
+            return EvalResult(job.frames, returns, self.env.get_rng_state(), time.perf_counter() - start)
+        finally:
+            self.module.actor.load_state_dict(current["actor"])
+            self.module.critic.trunk.load_state_dict(current["critic.trunk"])
+
 
 class Checkpointer(L.Callback):
     """Writes ``checkpoints/last.ckpt`` (and ``best.ckpt``) when asked, and owns what a
@@ -318,6 +490,7 @@ class Checkpointer(L.Callback):
         self.max_wait_steps = max_wait_steps
         self._pending_since = 0
         self._pending: set[str] = set()
+        self._keep_candidate = self._candidate_ready = False  # see request(keep_candidate=True)
         self._replay_file: str | None = None
         self.restored_replay: str | None = None
         self.saved_at: tuple[int, int] | None = None  # (agent steps, updates) of the last last.ckpt written
@@ -380,12 +553,40 @@ class Checkpointer(L.Callback):
             self.restored_replay = str(path)
 
     # --- when -------------------------------------------------------------------------------------
-    def request(self, best: bool) -> None:
+    def request(self, best: bool, keep_candidate: bool = False) -> None:
+        """Write ``last.ckpt`` (and ``best.ckpt``) at the next episode boundary. ``keep_candidate``:
+        keep that ``last.ckpt`` aside too (a hard link), as the ``best.ckpt`` of an evaluation
+        whose return is not known yet (:meth:`resolve_candidate`)."""
         if not self._pending:
             self._pending_since = self.collector.agent_steps
         self._pending.add("last.ckpt")
         if best:
             self._pending.add("best.ckpt")
+        if keep_candidate:
+            self._keep_candidate, self._candidate_ready = True, False
+
+    @property
+    def candidate_path(self) -> Path:
+        return self.folder / ".best-candidate.ckpt"
+
+    def resolve_candidate(self, improved: bool) -> None:
+        """The evaluation the candidate was kept for has its return: it becomes ``best.ckpt`` if
+        the return improved, else it goes. Not written yet: ``best.ckpt`` joins the pending write."""
+        if self._candidate_ready:
+            if self._rank == 0:
+                if improved:
+                    _fsync_and_replace(self.candidate_path, self.folder / "best.ckpt")
+                else:
+                    self.candidate_path.unlink(missing_ok=True)
+        elif improved:
+            self.request(best=True)
+        self._keep_candidate = self._candidate_ready = False
+
+    def adopt_candidate(self) -> None:
+        """A resumed run's pending evaluation: its candidate is on disk if the earlier process
+        wrote it, else the next ``last.ckpt`` becomes it."""
+        self._candidate_ready = self.candidate_path.is_file()
+        self._keep_candidate = not self._candidate_ready
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         waited = self.collector.agent_steps - self._pending_since
@@ -440,6 +641,13 @@ class Checkpointer(L.Callback):
                 _fsync_and_replace(tmp, path)
         if "last.ckpt" in names:
             self.saved_at = (self.collector.agent_steps, module.updates)
+            if self._keep_candidate:
+                if zero:  # a hard link: the next last.ckpt replaces the name, not these bytes
+                    link = self.candidate_path.with_name(".best-candidate.ckpt.tmp")
+                    link.unlink(missing_ok=True)
+                    os.link(self.folder / "last.ckpt", link)
+                    os.replace(link, self.candidate_path)
+                self._keep_candidate, self._candidate_ready = False, True
         if zero and replay:
             # earlier replay files belonged to earlier last.ckpt files (or to a save cut short);
             # every rank has written its current one: save_checkpoint's barrier came after

@@ -86,6 +86,7 @@ class ResumePoint:
     exact: bool  # taken at an episode boundary: the continuation is the uninterrupted run's
     final_eval_done: bool  # the evaluation at its last frame ran (the end of a run evaluates once more)
     stopped_by: str | None  # the signal whose stop wrote it
+    pending_eval_frames: int | None = None  # an evaluation in flight when it was written (eval_in_worker)
 
     def finished(self, budget_frames: int) -> bool:
         """Nothing left to do for a budget of ``budget_frames`` env frames."""
@@ -130,7 +131,9 @@ def resume_point(file: Path, checkpoint: dict[str, Any]) -> ResumePoint:
     if saved is None or counters["env_frames"] is None:
         raise CheckpointError(f"{file} holds no training state to resume from")
     total = counters["env_frames"]
-    last_eval = int((callback_state(checkpoint, "Evaluator") or {}).get("last_eval_frames", -1))
+    evaluator = callback_state(checkpoint, "Evaluator") or {}
+    last_eval = int(evaluator.get("last_eval_frames", -1))
+    pending = evaluator.get("pending")
     return ResumePoint(
         file,
         total,
@@ -138,6 +141,7 @@ def resume_point(file: Path, checkpoint: dict[str, Any]) -> ResumePoint:
         exact=bool(saved["collector"].get("at_episode_boundary", True)),
         final_eval_done=last_eval == total,
         stopped_by=saved.get("stopped_by"),
+        pending_eval_frames=int(pending["frames"]) if pending else None,
     )
 
 

@@ -42,6 +42,7 @@ class Run:
     trainer: Any
     resume_from: Path | None = None  # the checkpoint a resumed run continues from
     stopper: Any = None  # the StopOnSignal callback, when stop signals are handled
+    eval_worker: Any = None  # the EvalWorker process (train.eval_in_worker), closed with the run
     exit_code: int = 0  # what the command exits with: 0 done, EXIT_STOPPED, EXIT_NUMERICAL_FAILURE
 
 
@@ -190,6 +191,19 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
     total_agent_steps = -(-cfg.train.env_frames // (env.action_repeat * world))  # the budget is over all ranks
     stream = ExperienceStream(collector, cfg.agent.batch_size, total_agent_steps, cfg.train.updates_per_step, rng)
 
+    eval_worker = None
+    if (
+        cfg.train.eval_in_worker
+        and cfg.train.eval_episodes > 0
+        and world == 1
+        and trainer.strategy.root_device.type == "cpu"
+    ):
+        from pixelsac.eval_worker import EvalWorker
+
+        # the same threads as here: the conv kernels, hence the actions, may depend on them
+        eval_worker = EvalWorker(
+            to_plain(cfg), env.obs_shape, env.action_dim, cfg.seed + EVAL_SEED_OFFSET, torch.get_num_threads()
+        )
     episode_steps = -(-cfg.env.episode_frames // env.action_repeat) * cfg.env.num_envs
     checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps, stop=stop)
     evaluator = Evaluator(
@@ -202,6 +216,7 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
         video_every_evals=cfg.train.video_every_evals,
         video_size=min(cfg.train.video_size, 480),
         stop=stop,
+        worker=eval_worker,
     )
     callbacks = [TrainingLogger(collector), evaluator, checkpointer, StopWhenCollected(stream)]
     stopper = None
@@ -225,7 +240,20 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
     # its own generator: creating the loader's iterator must not draw from the global torch RNG,
     # or a resumed run would diverge from the uninterrupted one
     stream_loader = DataLoader(stream, batch_size=None, num_workers=0, generator=torch.Generator())
-    return Run(cfg, run_dir, env, eval_env, replay, module, collector, stream_loader, trainer, resume_from, stopper)
+    return Run(
+        cfg,
+        run_dir,
+        env,
+        eval_env,
+        replay,
+        module,
+        collector,
+        stream_loader,
+        trainer,
+        resume_from,
+        stopper,
+        eval_worker,
+    )
 
 
 def progress_is_a_terminal() -> bool:
@@ -233,13 +261,18 @@ def progress_is_a_terminal() -> bool:
     return sys.stderr.isatty()
 
 
-def attach_loggers(run: Run, resume_frames: int | None) -> None:
+def attach_loggers(run: Run, resume_frames: int | None, pending_eval_frames: int | None = None) -> None:
     """CSV (``metrics.csv``) and TensorBoard (``tb/``) loggers in the run directory. On resume
-    the CSV keeps its rows up to the checkpoint's frame (later ones were never checkpointed)."""
+    the CSV keeps its rows up to the checkpoint's frame (later ones were never checkpointed),
+    less the row of an evaluation the checkpoint holds as in flight (the resumed run logs it)."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     metrics = run.run_dir / "metrics.csv"
     header, kept_rows = _rows_until(metrics, resume_frames) if resume_frames is not None else ([], [])
+    if pending_eval_frames is not None:
+        kept_rows = [
+            row for row in kept_rows if not (row.get("eval/return") and float(row["step"]) >= pending_eval_frames)
+        ]
     csv_logger = CSVLogger(run.run_dir, name="", version="")
     writer = csv_logger.experiment  # deletes an existing metrics.csv: the kept rows go back below
     if header:

@@ -95,7 +95,8 @@ def train(
     if zero:
         runs.write_run_dir(run)
     with cli.quiet_lightning():
-        runs.attach_loggers(run, resume_frames if zero else None)
+        pending = resume.pending_eval_frames if resume is not None else None
+        runs.attach_loggers(run, resume_frames if zero else None, pending)
     policy = run.module.precision_policy
     say = print if zero else (lambda *args, **kwargs: None)  # one voice under data parallelism
     say(f"run directory: {run.run_dir}")
@@ -140,6 +141,8 @@ def train(
     finally:
         run.env.close()  # frees the physics and its GL contexts (a long process may train many runs)
         run.eval_env.close()
+        if run.eval_worker is not None:
+            run.eval_worker.close()
     evaluator = next(c for c in run.trainer.callbacks if type(c).__name__ == "Evaluator")
     outcome = run.stopper.outcome if run.stopper is not None else None
     if outcome is not None:

@@ -19,6 +19,10 @@ Environment variables, all optional:
 ``SIGNAL_DURING_SAVE=SIGINT@2x2``
     send SIGINT twice to ourselves while the 2nd ``last.ckpt`` is written: after its temporary
     file is complete, before the rename that makes it the checkpoint.
+``EVAL_RESULTS_ON_WAIT=1``
+    with ``train.eval_in_worker``: take the worker's results only where the run waits for them
+    (before the next evaluation, at the end), never as they arrive, so that a checkpoint written
+    after an evaluation began surely holds it in flight.
 ``DUMP_DIR``
     every rank writes ``pid-rank<r>`` at start, ``rank<r>.pt`` (weights, updates, env frames) at
     the end of training, and ``exit-rank<r>`` (its exit code) at exit.
@@ -113,7 +117,12 @@ if env.get("SIGNAL_DURING_SAVE"):
 
     callbacks._fsync_and_replace = signalling_replace
 
-code = train_mod.main(sys.argv[1:])
-if dump_dir is not None:
-    (dump_dir / f"exit-rank{rank}").write_text(str(code))
-sys.exit(code)
+if env.get("EVAL_RESULTS_ON_WAIT"):
+    real_collect = callbacks.Evaluator._collect
+    callbacks.Evaluator._collect = lambda self, trainer, wait: real_collect(self, trainer, wait) if wait else None
+
+if __name__ == "__main__":  # the evaluation worker (spawn) imports this module again
+    code = train_mod.main(sys.argv[1:])
+    if dump_dir is not None:
+        (dump_dir / f"exit-rank{rank}").write_text(str(code))
+    sys.exit(code)
