@@ -105,6 +105,7 @@ def test_a_resumed_run_drops_the_logged_row_of_the_evaluation_its_checkpoint_hol
         {"step": "192", "eval/return": "", "train/critic_loss": "0.8"},
         {"step": "224", "eval/return": "", "train/critic_loss": "0.7"},  # after the checkpoint
     ]
+
     def write_and_resume(pending: int | None) -> list[tuple[str, str]]:
         with open(tmp_path / "metrics.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
