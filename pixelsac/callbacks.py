@@ -269,12 +269,7 @@ class Evaluator(L.Callback):
         zero = trainer.is_global_zero
         start = time.perf_counter()
         env_rng = self.env.get_rng_state() if zero and self.stop is not None else None
-        film = bool(
-            self.video_dir
-            and self.video_every_evals
-            and (self.evaluations + 1) % self.video_every_evals == 1 % self.video_every_evals
-        )
-        recorder = EpisodeRecorder(size=self.video_size, episodes={0}) if film and zero else None
+        recorder = EpisodeRecorder(size=self.video_size, episodes={0}) if self._film() and zero else None
         abandon = (lambda: self.stop.pending) if self.stop is not None else None
         returns = (
             run_episodes(self.env, module.act, self.episodes, on_frame=recorder, should_abandon=abandon)
@@ -290,27 +285,40 @@ class Evaluator(L.Callback):
             if self.stop is not None:
                 self.stop.save_now = True
             return None
-        self.last_eval_frames = frames
-        self.last_return = float(mean)
-        self.evaluations += 1
         if recorder is not None:
             recorder.save(self.video_dir / f"eval_{frames:09d}.mp4")
-        if zero:
-            _log(
-                trainer,
-                {
-                    "eval/return": mean,
-                    "eval/return_std": float(np.std(returns)),
-                    "eval/seconds": time.perf_counter() - start,
-                    **_counters(self.collector, module),
-                },
-                step=frames,
-            )
+        self._record(
+            trainer,
+            frames,
+            float(mean),
+            returns if zero else None,
+            time.perf_counter() - start,
+            _counters(self.collector, module),
+            bool(improved),
+        )
+        return bool(improved)
+
+    def _record(
+        self,
+        trainer: L.Trainer,
+        frames: int,
+        mean: float,
+        returns: list[float] | None,
+        seconds: float,
+        counters: dict[str, float],
+        improved: bool,
+    ) -> None:
+        """An evaluation done: counters, best return, and its row (where ``returns`` are known)."""
+        self.last_eval_frames = frames
+        self.last_return = mean
+        self.evaluations += 1
+        if returns is not None:
+            metrics = {"eval/return": mean, "eval/return_std": float(np.std(returns)), "eval/seconds": seconds}
+            _log(trainer, {**metrics, **counters}, step=frames)
             for logger in trainer.loggers:
                 logger.save()
         if improved:
-            self.best_return = float(mean)
-        return bool(improved)
+            self.best_return = mean
 
     # --- in the worker --------------------------------------------------------------------------
     def _film(self) -> bool:
@@ -378,24 +386,8 @@ class Evaluator(L.Callback):
         self.pending = None
         mean = float(np.mean(result.returns))
         self.env.set_rng_state(result.env_rng)
-        self.last_eval_frames = pending["frames"]
-        self.last_return = mean
-        self.evaluations += 1
-        _log(
-            trainer,
-            {
-                "eval/return": mean,
-                "eval/return_std": float(np.std(result.returns)),
-                "eval/seconds": result.seconds,
-                **pending["counters"],
-            },
-            step=pending["frames"],
-        )
-        for logger in trainer.loggers:
-            logger.save()
         improved = mean > self.best_return
-        if improved:
-            self.best_return = mean
+        self._record(trainer, pending["frames"], mean, result.returns, result.seconds, pending["counters"], improved)
         self.checkpointer.resolve_candidate(improved)
         return improved
 
@@ -433,20 +425,12 @@ class _InProcess:
         self._job, self.busy = job, True
 
     def wait(self) -> Any:
-        from pixelsac.eval_worker import EvalResult, acting_weights
+        from pixelsac.eval_worker import acting_weights, play
 
         job, self.busy = self._job, False
         current = acting_weights(self.module)
-        self.module.actor.load_state_dict(job.weights["actor"])
-        self.module.critic.trunk.load_state_dict(job.weights["critic.trunk"])
-        start = time.perf_counter()
         try:
-            self.env.set_rng_state(job.env_rng)
-            recorder = EpisodeRecorder(size=job.video_size, episodes={0}) if job.video_path else None
-            returns = run_episodes(self.env, self.module.act, job.episodes, on_frame=recorder)
-            if recorder is not None:
-                recorder.save(Path(job.video_path))
-            return EvalResult(job.frames, returns, self.env.get_rng_state(), time.perf_counter() - start)
+            return play(self.env, self.module, job)
         finally:
             self.module.actor.load_state_dict(current["actor"])
             self.module.critic.trunk.load_state_dict(current["critic.trunk"])

@@ -19,9 +19,9 @@ signals its parent handles, and ends when the parent closes it or goes away.
 from __future__ import annotations
 
 import multiprocessing as mp
-import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pixelsac.envs.vector import _PARENTS_SIGNALS, EnvWorkerError
+from pixelsac.envs.vector import EnvWorkerError, ignore_parents_signals, receive_from
 
 #: the parts of the module :meth:`SACModule.act` reads
 ACTING_PARTS = ("actor", "critic.trunk")
@@ -81,6 +81,26 @@ def _build(config: dict[str, Any], obs_shape: tuple[int, ...], action_dim: int, 
     return env, module.eval()
 
 
+def play(env: Any, module: Any, job: EvalJob, should_abandon: Callable[[], bool] | None = None) -> EvalResult:
+    """``job``'s episodes on ``env`` with ``module`` acting with the job's weights (loaded into it)
+    from the job's RNG state; films the first episode where the job asks. Returns None as the
+    returns when ``should_abandon()`` said so."""
+    from pixelsac.collect import run_episodes
+    from pixelsac.video import EpisodeRecorder
+
+    start = time.perf_counter()
+    module.actor.load_state_dict(job.weights["actor"])
+    module.critic.trunk.load_state_dict(job.weights["critic.trunk"])
+    env.set_rng_state(job.env_rng)
+    recorder = EpisodeRecorder(size=job.video_size, episodes={0}) if job.video_path else None
+    returns = run_episodes(env, module.act, job.episodes, on_frame=recorder, should_abandon=should_abandon)
+    if returns is None:
+        return EvalResult(job.frames, None, None, time.perf_counter() - start)
+    if recorder is not None:
+        recorder.save(Path(job.video_path))
+    return EvalResult(job.frames, returns, env.get_rng_state(), time.perf_counter() - start)
+
+
 def _serve(
     conn: Connection,
     cancel: Any,
@@ -91,8 +111,7 @@ def _serve(
     num_threads: int | None,
 ) -> None:
     """The worker: build the env and agent, then play each job sent until told to close."""
-    for name in _PARENTS_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    ignore_parents_signals()
     try:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -101,9 +120,6 @@ def _serve(
     except BaseException as exc:  # noqa: BLE001 -- report anything, including EnvError
         conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
         return
-    from pixelsac.collect import run_episodes
-    from pixelsac.video import EpisodeRecorder
-
     try:
         while True:
             command, job = conn.recv()
@@ -111,16 +127,7 @@ def _serve(
                 env.close()
                 return
             try:
-                start = time.perf_counter()
-                for name, part in (("actor", module.actor), ("critic.trunk", module.critic.trunk)):
-                    part.load_state_dict(job.weights[name])
-                env.set_rng_state(job.env_rng)
-                recorder = EpisodeRecorder(size=job.video_size, episodes={0}) if job.video_path else None
-                returns = run_episodes(env, module.act, job.episodes, on_frame=recorder, should_abandon=cancel.is_set)
-                if returns is not None and recorder is not None:
-                    recorder.save(Path(job.video_path))
-                rng = env.get_rng_state() if returns is not None else None
-                conn.send(("ok", EvalResult(job.frames, returns, rng, time.perf_counter() - start)))
+                conn.send(("ok", play(env, module, job, should_abandon=cancel.is_set)))
             except BaseException as exc:  # noqa: BLE001
                 conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
@@ -159,17 +166,7 @@ class EvalWorker:
         self._timeout_s = timeout_s
 
     def _receive(self, timeout_s: float | None) -> Any:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self._conn.poll(1.0):
-            if not self._proc.is_alive():
-                raise EnvWorkerError(f"the evaluation worker died (exit code {self._proc.exitcode})")
-            if deadline is not None and time.monotonic() > deadline:
-                raise EnvWorkerError(f"the evaluation worker did not answer within {timeout_s:.0f} s")
-        status, payload = self._conn.recv()
-        if status == "error":
-            kind, message, trace = payload
-            raise EnvWorkerError(f"the evaluation worker failed: {kind}: {message}\n{trace}")
-        return payload
+        return receive_from(self._conn, self._proc, "the evaluation worker", timeout_s)
 
     def _ready(self) -> None:
         if not self._started:

@@ -2,6 +2,7 @@
 in the training process -- returns, videos, checkpoints' weights, training -- also when a run is
 stopped with an evaluation in flight and resumed."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,47 +48,45 @@ def test_evaluating_in_a_worker_is_the_same_run_bit_for_bit(tmp_path, in_process
     _assert_same_run(tmp_path / "run", in_process)
 
 
-@pytest.mark.slow
-def test_a_run_stopped_with_an_evaluation_in_flight_resumes_it(tmp_path, in_process):
-    run_dir = tmp_path / "run"
-    # the evaluation at frame 160 is handed over at update 4; the stop comes at update 6 and is
-    # saved at the episode boundary (frame 192), its result not taken yet
+@pytest.fixture(scope="module")
+def stopped_in_flight(tmp_path_factory) -> Path:
+    """A run stopped with an evaluation in flight: the evaluation at frame 160 is handed over at
+    update 4; the stop comes at update 6 and is saved at the episode boundary (frame 192), its
+    result not taken yet. Tests resume copies of it."""
+    cwd = tmp_path_factory.mktemp("stopped")
     stopped = run(
         *WORKER,
         "train.eval_in_worker=true",
-        f"run_dir={run_dir}",
-        cwd=tmp_path,
+        f"run_dir={cwd / 'run'}",
+        cwd=cwd,
         SELF_SIGNAL="SIGTERM@6",
         EVAL_RESULTS_ON_WAIT="1",
     )
     assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
-    saved = checkpoint(run_dir)
+    return cwd / "run"
+
+
+def _resume_copy(stopped: Path, tmp_path: Path, *overrides: str) -> Path:
+    run_dir = Path(shutil.copytree(stopped, tmp_path / "run"))
+    resumed = run(f"resume={run_dir}", *overrides, "trainer.enable_progress_bar=false", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_a_run_stopped_with_an_evaluation_in_flight_resumes_it(tmp_path, in_process, stopped_in_flight):
+    saved = checkpoint(stopped_in_flight)
     pending = saved["callbacks"]["Evaluator"]["pending"]
     assert pending is not None and pending["frames"] == 160 and pending["counters"]["updates"] == 4
     assert saved["callbacks"]["Evaluator"]["last_eval_frames"] == -1
-    assert logged(run_dir)[1] == []  # its row comes with its result
-    assert (run_dir / "checkpoints" / ".best-candidate.ckpt").is_file()
-
-    resumed = run(f"resume={run_dir}", "trainer.enable_progress_bar=false", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_same_run(run_dir, in_process)
+    assert logged(stopped_in_flight)[1] == []  # its row comes with its result
+    assert (stopped_in_flight / "checkpoints" / ".best-candidate.ckpt").is_file()
+    _assert_same_run(_resume_copy(stopped_in_flight, tmp_path), in_process)
 
 
 @pytest.mark.slow
-def test_a_pending_evaluation_resumed_without_a_worker_runs_in_process(tmp_path, in_process):
-    run_dir = tmp_path / "run"
-    stopped = run(
-        *WORKER,
-        "train.eval_in_worker=true",
-        f"run_dir={run_dir}",
-        cwd=tmp_path,
-        SELF_SIGNAL="SIGTERM@6",
-        EVAL_RESULTS_ON_WAIT="1",
-    )
-    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
-    resumed = run(f"resume={run_dir}", "train.eval_in_worker=false", "trainer.enable_progress_bar=false", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_same_run(run_dir, in_process)
+def test_a_pending_evaluation_resumed_without_a_worker_runs_in_process(tmp_path, in_process, stopped_in_flight):
+    _assert_same_run(_resume_copy(stopped_in_flight, tmp_path, "train.eval_in_worker=false"), in_process)
 
 
 def test_a_resumed_run_drops_the_logged_row_of_the_evaluation_its_checkpoint_holds_in_flight(tmp_path):

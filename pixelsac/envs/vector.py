@@ -76,13 +76,42 @@ class SerialEnvs:
 #: Signals a worker ignores: they ask the run to stop, and the parent decides how (Ctrl-C reaches
 #: the terminal's whole process group, SLURM signals every process of a job step). A worker ends
 #: when the parent closes it or goes away (its pipe reaches EOF).
-_PARENTS_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+PARENTS_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+
+
+def ignore_parents_signals() -> None:
+    """In a worker process: leave the stop signals to the parent (see :data:`PARENTS_SIGNALS`)."""
+    for name in PARENTS_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def receive_from(conn: Connection, proc: Any, who: str, timeout_s: float | None) -> Any:
+    """A worker's ``("ok", payload)`` answer's payload; an answer that does not come because the
+    worker died or took longer than ``timeout_s`` (None: no limit), or an ``("error", ...)``
+    answer, is an :class:`EnvWorkerError` naming ``who`` (an :class:`EnvError` stays one)."""
+    waited = 0.0
+    while not conn.poll(1.0):
+        waited += 1.0
+        if not proc.is_alive():
+            raise EnvWorkerError(f"{who} died with exit code {proc.exitcode} without answering")
+        if timeout_s is not None and waited >= timeout_s:
+            raise EnvWorkerError(f"{who} did not answer within {timeout_s:.0f} s")
+    try:
+        status, payload = conn.recv()
+    except EOFError:
+        proc.join(timeout=5)
+        raise EnvWorkerError(f"{who} died with exit code {proc.exitcode}") from None
+    if status == "error":
+        kind, message, trace = payload
+        if kind == "EnvError":
+            raise EnvError(message)
+        raise EnvWorkerError(f"{who} failed: {kind}: {message}\n{trace}")
+    return payload
 
 
 def _worker(conn: Connection, task: str, seed: int, env_kwargs: dict) -> None:
     """Serve one DMCEnv over a pipe until told to close; every failure goes back as a message."""
-    for name in _PARENTS_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    ignore_parents_signals()
     try:
         env = DMCEnv(task, seed=seed, **env_kwargs)
         conn.send(
@@ -155,35 +184,8 @@ class ParallelEnvs:
         raise AttributeError(name)
 
     def _receive(self, i: int) -> Any:
-        conn, proc = self._conns[i], self._procs[i]
-        waited = 0.0
-        while not conn.poll(1.0):
-            waited += 1.0
-            if not proc.is_alive():
-                raise EnvWorkerError(
-                    f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
-                    f"with exit code {proc.exitcode} without answering"
-                )
-            if waited >= self.timeout_s:
-                raise EnvWorkerError(
-                    f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) did not "
-                    f"answer within {self.timeout_s:.0f} s"
-                )
-        try:
-            status, payload = conn.recv()
-        except EOFError:
-            proc.join(timeout=5)
-            raise EnvWorkerError(
-                f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died with exit code {proc.exitcode}"
-            ) from None
-        if status == "error":
-            kind, message, trace = payload
-            if kind == "EnvError":
-                raise EnvError(message)
-            raise EnvWorkerError(
-                f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) failed: {kind}: {message}\n{trace}"
-            )
-        return payload
+        who = f"env worker {i} ({self.task_name}, seed {self.seeds[i]})"
+        return receive_from(self._conns[i], self._procs[i], who, self.timeout_s)
 
     def _call_all(self, command: str, args: Sequence[Any], indices: Sequence[int]) -> list[Any]:
         for i, arg in zip(indices, args):
