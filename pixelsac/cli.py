@@ -69,15 +69,18 @@ def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, us
     if wants_help(argv):
         print(usage)
         return 0
-    from pixelsac.precision import NumericalFailure
-
     try:
         return body(argv)
     except _bad_input_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except NumericalFailure as failure:
-        print(f"error: training stopped: {failure}", file=sys.stderr)
+    except Exception as exc:
+        # Looked up, not imported: pixelsac.precision loads torch, which a mistyped key should not
+        # wait for, and a run that never imported it cannot have raised its NumericalFailure.
+        precision = sys.modules.get("pixelsac.precision")
+        if precision is None or not isinstance(exc, precision.NumericalFailure):
+            raise
+        print(f"error: training stopped: {exc}", file=sys.stderr)
         return EXIT_NUMERICAL_FAILURE
 
 

@@ -157,8 +157,6 @@ def train(
 
 
 def _command(argv: list[str]) -> int:
-    from pixelsac.stopping import handle_stop_signals
-
     cfg, point = resolve_run(argv)
     if point is not None and point.finished(cfg.train.env_frames):
         print(
@@ -166,6 +164,10 @@ def _command(argv: list[str]) -> int:
             f"{cfg.train.env_frames}) and their final evaluation; raise train.env_frames to train further"
         )
         return 0
+    # Imported after the configuration is checked: it loads Lightning, and a mistyped key should
+    # not wait for that before it is reported.
+    from pixelsac.stopping import handle_stop_signals
+
     with handle_stop_signals(cfg.stop.signals) as stop:
         return train(cfg, stop=stop, resume=point).exit_code
 

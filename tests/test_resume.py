@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY
-from test_train_cli import REPO, run_cli
+from test_train_cli import REPO, main_in, run_cli
 
 # TINY: 64-frame episodes at action repeat 8 (8 agent steps), 320 frames, evaluation every 160.
 HALF, FULL = 320, 640
@@ -25,9 +25,21 @@ def weights(run_dir: Path, name: str = "last.ckpt") -> dict:
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path, precision):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    args = [*TINY, f"precision={precision}"]
-    assert run_cli(*args, f"train.env_frames={FULL}", f"run_dir={straight}", cwd=tmp_path).returncode == 0
+    # one thread each: the straight run and the first half run side by side on two cores, and the
+    # sums' order (which follows the thread count) is the same in all three processes
+    args = [*TINY, f"precision={precision}", "train.num_threads=1"]
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(REPO)}
+    straight_run = subprocess.Popen(
+        [sys.executable, "-m", "pixelsac.train", *args, f"train.env_frames={FULL}", f"run_dir={straight}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = run_cli(*args, f"train.env_frames={HALF}", f"run_dir={split}", cwd=tmp_path)
+    _, straight_err = straight_run.communicate(timeout=600)
+    assert straight_run.returncode == 0, straight_err[-2000:]
     assert first.returncode == 0, first.stderr[-2000:]
     second = run_cli(f"resume={split}", f"train.env_frames={FULL}", "trainer.enable_progress_bar=false", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
@@ -152,9 +164,9 @@ def test_injected_inf_gradient_skips_the_step_and_leaves_parameters_bitwise_unch
         (["replay.capacity=0"], "replay.capacity=0 must be positive"),
     ],
 )
-def test_bad_paths_and_sizes_exit_2_and_write_nothing(tmp_path, args, message):
-    result = run_cli(*args, "run_dir=out", cwd=tmp_path)
-    assert result.returncode == 2 and message in result.stderr, result.stderr[-1000:]
+def test_bad_paths_and_sizes_exit_2_and_write_nothing(tmp_path, monkeypatch, capsys, args, message):
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, *args, "run_dir=out")
+    assert code == 2 and message in stderr, stderr[-1000:]
     assert list(tmp_path.iterdir()) == []
 
 

@@ -20,6 +20,19 @@ def run_cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.
     )
 
 
+def main_in(cwd: Path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``pixelsac.train.main(args)`` in this process, run from ``cwd``: its exit code and stderr."""
+    from pixelsac.train import main
+
+    monkeypatch.chdir(cwd)
+    threads = torch.get_num_threads()
+    try:
+        code = main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tiny_run_writes_logs_config_and_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
@@ -72,11 +85,39 @@ def test_tiny_run_writes_logs_config_and_checkpoints(tmp_path):
         ),
     ],
 )
-def test_bad_input_exits_2_and_writes_nothing(tmp_path, args, message):
-    result = run_cli(*args, "run_dir=out", cwd=tmp_path)
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys, args, message):
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, *args, "run_dir=out")
+    assert code == 2, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# python -m pixelsac.train, then whether Lightning (seconds to import) was loaded before the refusal
+AS_MAIN_THEN_LIGHTNING_LOADED = """
+import runpy, sys
+sys.argv = ["pixelsac.train", *sys.argv[1:]]
+try:
+    runpy.run_module("pixelsac.train", run_name="__main__", alter_sys=True)
+finally:
+    print("lightning" in sys.modules)
+"""
+
+
+def test_bad_input_from_the_command_line_exits_2_in_one_line_before_loading_lightning(tmp_path):
+    """The cases above call main() in process; this one is the process and its exit code."""
+    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", AS_MAIN_THEN_LIGHTNING_LOADED, "agent.batchsize=3", "run_dir=out"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert result.stderr.startswith("error: unknown key 'agent.batchsize'") and result.stderr.count("\n") == 1
+    assert result.stdout.strip() == "False"
     assert list(tmp_path.iterdir()) == []
 
 
