@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY
-from test_train_cli import REPO, main_in, run_cli
+from test_train_cli import REPO, main_in, run_cli, start_cli
 
 # TINY: 64-frame episodes at action repeat 8 (8 agent steps), 320 frames, evaluation every 160.
 HALF, FULL = 320, 640
@@ -28,15 +28,7 @@ def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path, precision):
     # one thread each: the straight run and the first half run side by side on two cores, and the
     # sums' order (which follows the thread count) is the same in all three processes
     args = [*TINY, f"precision={precision}", "train.num_threads=1"]
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(REPO)}
-    straight_run = subprocess.Popen(
-        [sys.executable, "-m", "pixelsac.train", *args, f"train.env_frames={FULL}", f"run_dir={straight}"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    straight_run = start_cli(*args, f"train.env_frames={FULL}", f"run_dir={straight}", cwd=tmp_path)
     first = run_cli(*args, f"train.env_frames={HALF}", f"run_dir={split}", cwd=tmp_path)
     _, straight_err = straight_run.communicate(timeout=600)
     assert straight_run.returncode == 0, straight_err[-2000:]

@@ -12,11 +12,32 @@ from conftest import TINY
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.CompletedProcess:
+def cli_env(extra_path: str | None = None) -> dict[str, str]:
+    """The environment a command-line test runs pixelsac in."""
     path = str(REPO) if extra_path is None else f"{REPO}{os.pathsep}{extra_path}"
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": path}
+    return {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": path}
+
+
+def run_cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pixelsac.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "pixelsac.train", *args],
+        cwd=cwd,
+        env=cli_env(extra_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def start_cli(*args: str, cwd: Path) -> subprocess.Popen:
+    """``run_cli`` in the background: its stderr is kept, its stdout dropped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pixelsac.train", *args],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -106,11 +127,10 @@ finally:
 
 def test_bad_input_from_the_command_line_exits_2_in_one_line_before_loading_lightning(tmp_path):
     """The cases above call main() in process; this one is the process and its exit code."""
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, "-c", AS_MAIN_THEN_LIGHTNING_LOADED, "agent.batchsize=3", "run_dir=out"],
         cwd=tmp_path,
-        env=env,
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=300,
