@@ -1,11 +1,19 @@
-"""Shared test settings: headless rendering, few threads, small sizes."""
+"""Shared test settings: headless rendering, few threads, small sizes; the tiny runs that
+several test files read, trained once per session."""
 
 import os
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 # two on CI's 2 cores; PIXELSAC_TEST_THREADS=1 beside a background run (two threads on a busy core
 # spin-wait for each other: the small-op tests ran ~10x slower)
@@ -44,3 +52,46 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def tiny_overrides() -> list[str]:
     return list(TINY)
+
+
+def cli_env(extra_path: str | None = None) -> dict[str, str]:
+    """The environment a command-line test runs pixelsac in."""
+    path = str(REPO) if extra_path is None else f"{REPO}{os.pathsep}{extra_path}"
+    return {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": path}
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A finished run of ``python -m pixelsac.train``: its directory and what it printed. Shared
+    by every test of the session that asks for it, so read it, or copy it before changing it."""
+
+    run_dir: Path
+    stdout: str
+
+
+def train_once(tmp_path_factory: pytest.TempPathFactory, name: str, *overrides: str) -> TrainedRun:
+    run_dir = tmp_path_factory.mktemp("trained") / name
+    result = subprocess.run(
+        [sys.executable, "-m", "pixelsac.train", *overrides, f"run_dir={run_dir}"],
+        cwd=run_dir.parent,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return TrainedRun(run_dir, result.stdout)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """TINY in fp32, its whole 320-frame budget: 24 updates, evaluations at 160 and 320."""
+    return train_once(tmp_path_factory, "tiny_fp32", *TINY, "precision=fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp16_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """TINY at the default precision (fp16 + six, so its checkpoint also proves an fp16 run
+    evaluates on a CPU), 160 frames with two evaluations (80, 160) so it has a learning curve:
+    4 updates, one logged row."""
+    return train_once(tmp_path_factory, "tiny_fp16", *TINY, "train.env_frames=160", "train.eval_every_frames=80")

@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from marks import write_whole  # this script's folder is on sys.path
+
 import pixelsac.callbacks as callbacks
 
 marker = Path(sys.argv[1])
@@ -17,7 +19,7 @@ def hanging_replace(tmp: Path, path: Path) -> None:
     if path.name == "last.ckpt":
         saves["last.ckpt"] += 1
         if saves["last.ckpt"] == 2:
-            marker.write_text(str(tmp))
+            write_whole(marker, str(tmp))
             time.sleep(600)
     real(tmp, path)
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from marks import write_whole  # this script's folder is on sys.path
 
 import pixelsac.callbacks as callbacks
 import pixelsac.run as run_mod
@@ -55,14 +56,14 @@ class Hooks(L.Callback):
 
     def setup(self, trainer, module, stage):
         if dump_dir is not None:
-            (dump_dir / f"pid-rank{trainer.global_rank}").write_text(str(os.getpid()))
+            write_whole(dump_dir / f"pid-rank{trainer.global_rank}", str(os.getpid()))
         if env.get("SIGNAL_AT_SETUP"):
             os.kill(os.getpid(), signum(env["SIGNAL_AT_SETUP"]))
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if env.get("MARK_FILE") and not self.marked and module.updates >= int(env["MARK_UPDATES"]):
             self.marked = True
-            Path(env["MARK_FILE"]).write_text(str(module.updates))
+            write_whole(Path(env["MARK_FILE"]), str(module.updates))
         if len(self.self_signal) >= 2 and module.updates == int(self.self_signal[1]):
             target = int(self.self_signal[2]) if len(self.self_signal) > 2 else 0
             if trainer.global_rank == target:
@@ -124,5 +125,5 @@ if env.get("EVAL_RESULTS_ON_WAIT"):
 if __name__ == "__main__":  # the evaluation worker (spawn) imports this module again
     code = train_mod.main(sys.argv[1:])
     if dump_dir is not None:
-        (dump_dir / f"exit-rank{rank}").write_text(str(code))
+        write_whole(dump_dir / f"exit-rank{rank}", str(code))
     sys.exit(code)

@@ -8,7 +8,6 @@ import csv
 import fractions
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
+from conftest import cli_env
 
 from pixelsac import evaluate as ev
 from pixelsac import video
@@ -26,40 +25,13 @@ from pixelsac.checkpoint import FORMAT_VERSION
 from pixelsac.collect import run_episodes
 from pixelsac.envs import DMCEnv
 
-REPO = Path(__file__).resolve().parent.parent
-# The tiny preset, fp16 (the default precision, so the run also proves an fp16 checkpoint
-# evaluates on a CPU), two evaluations (80 and 160 frames) so the run has a learning curve.
-TINY_RUN = [*TINY, "train.env_frames=160", "train.eval_every_frames=80"]
 STEPS_PER_EPISODE = 64 // 8  # env.episode_frames / cartpole_swingup's action repeat
 FRAMES_PER_EPISODE = STEPS_PER_EPISODE + 1  # the reset frame, then one per agent step
 
-_TRAINED: dict[str, Path] = {}
-
-
-def subprocess_env() -> dict[str, str]:
-    return {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": str(REPO)}
-
-
-def tiny_fp16_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Train the tiny run once per test session (shared with test_plot.py) and return its dir."""
-    if "fp16" not in _TRAINED:
-        run_dir = tmp_path_factory.mktemp("trained") / "tiny_fp16_s1"
-        result = subprocess.run(
-            [sys.executable, "-m", "pixelsac.train", *TINY_RUN, f"run_dir={run_dir}"],
-            cwd=run_dir.parent,
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        _TRAINED["fp16"] = run_dir
-    return _TRAINED["fp16"]
-
 
 @pytest.fixture(scope="session")
-def run16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_fp16_run(tmp_path_factory)
+def run16(tiny_fp16_run) -> Path:
+    return tiny_fp16_run.run_dir
 
 
 def read_video(path: Path) -> list[np.ndarray]:
@@ -94,7 +66,7 @@ def test_cli_evaluates_fp16_run_on_cpu_with_agent_view_video(run16, tmp_path):
             "device=auto",
         ],
         cwd=tmp_path,
-        env=subprocess_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -129,7 +101,7 @@ def test_missing_checkpoint_exits_2_from_the_command_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pixelsac.evaluate", "checkpoint=nope.ckpt"],
         cwd=tmp_path,
-        env=subprocess_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,7 +1,7 @@
 """tools/plot: learning curves from run directories -- grouping by task and precision label,
 seeds on a common frame grid, mean/IQM with a bootstrap band, PNG + SVG, exit 2 on missing data.
 
-One real tiny run (shared with test_evaluate.py) proves the tool reads what training writes;
+One real tiny run (conftest's, shared with test_evaluate.py) proves the tool reads what training writes;
 extra seeds and precision modes are synthesised from its config.yaml, cheaply."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from test_evaluate import tiny_fp16_run
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,8 +31,8 @@ plot = _load_tool()
 
 
 @pytest.fixture(scope="session")
-def run16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_fp16_run(tmp_path_factory)
+def run16(tiny_fp16_run) -> Path:
+    return tiny_fp16_run.run_dir
 
 
 @pytest.fixture(scope="session")

@@ -1,21 +1,12 @@
 """The command line, end to end: a tiny real run, and bad input refused with exit code 2."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def cli_env(extra_path: str | None = None) -> dict[str, str]:
-    """The environment a command-line test runs pixelsac in."""
-    path = str(REPO) if extra_path is None else f"{REPO}{os.pathsep}{extra_path}"
-    return {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": path}
+from conftest import REPO, TINY, cli_env  # noqa: F401  (REPO: imported from here by other tests)
 
 
 def run_cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.CompletedProcess:
@@ -55,11 +46,9 @@ def main_in(cwd: Path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_tiny_run_writes_logs_config_and_checkpoints(tmp_path):
-    run_dir = tmp_path / "run"
-    result = run_cli(*TINY, "precision=fp32", f"run_dir={run_dir}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "replay buffer:" in result.stdout and "done:" in result.stdout
+def test_tiny_run_writes_logs_config_and_checkpoints(tiny_fp32_run):
+    run_dir = tiny_fp32_run.run_dir
+    assert "replay buffer:" in tiny_fp32_run.stdout and "done:" in tiny_fp32_run.stdout
     assert (run_dir / "config.yaml").is_file()
     assert "cartpole_swingup" in (run_dir / "config.yaml").read_text()
     csv = (run_dir / "metrics.csv").read_text().splitlines()
@@ -141,12 +130,12 @@ def test_bad_input_from_the_command_line_exits_2_in_one_line_before_loading_ligh
     assert list(tmp_path.iterdir()) == []
 
 
-def test_existing_run_dir_is_not_clobbered(tmp_path):
+def test_existing_run_dir_is_not_clobbered(tmp_path, monkeypatch, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("precious")
-    result = run_cli(*TINY, "run_dir=out", cwd=tmp_path)
-    assert result.returncode == 2
-    assert "already exists" in result.stderr and "overwrite=true" in result.stderr
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, *TINY, "run_dir=out")
+    assert code == 2
+    assert "already exists" in stderr and "overwrite=true" in stderr
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
 
 
@@ -156,11 +145,9 @@ def test_help_exits_0(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_fp16_run_ends_with_finite_fp16_weights(tmp_path):
-    run_dir = tmp_path / "run16"
-    result = run_cli(*TINY, f"run_dir={run_dir}", cwd=tmp_path)  # precision defaults to fp16 + six
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "precision fp16" in result.stdout and "warning: fp16 on a CPU" in result.stdout
+def test_tiny_fp16_run_ends_with_finite_fp16_weights(tiny_fp16_run):
+    run_dir = tiny_fp16_run.run_dir  # no precision= given: the default, fp16 + six
+    assert "precision fp16" in tiny_fp16_run.stdout and "warning: fp16 on a CPU" in tiny_fp16_run.stdout
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     weights = {k: v for k, v in checkpoint["state_dict"].items() if v.is_floating_point()}
     assert weights and all(v.dtype == torch.float16 for v in weights.values())
