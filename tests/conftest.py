@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"  # on a helper script's PYTHONPATH (stop_helper.py imports marks.py from here)
 
 # two on CI's 2 cores; PIXELSAC_TEST_THREADS=1 beside a background run (two threads on a busy core
 # spin-wait for each other: the small-op tests ran ~10x slower)
@@ -54,10 +55,49 @@ def tiny_overrides() -> list[str]:
     return list(TINY)
 
 
-def cli_env(extra_path: str | None = None) -> dict[str, str]:
-    """The environment a command-line test runs pixelsac in."""
-    path = str(REPO) if extra_path is None else f"{REPO}{os.pathsep}{extra_path}"
-    return {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "PYTHONPATH": path}
+def cli_env(*extra_paths: Path | str, **settings: str) -> dict[str, str]:
+    """The environment a test runs pixelsac or a helper script in: this checkout first on
+    PYTHONPATH, then ``extra_paths``; ``settings`` (hooks, a MUJOCO_GL to test) on top. MUJOCO_GL
+    is inherited: set above, before anything imported dm_control."""
+    path = os.pathsep.join(str(p) for p in (REPO, *extra_paths))
+    return {**os.environ, "PYTHONPATH": path, **settings}
+
+
+def run_cli(*args: str, cwd: Path, extra_path: Path | str | None = None) -> subprocess.CompletedProcess:
+    """``python -m pixelsac.train ARGS`` from ``cwd``, to the end."""
+    return subprocess.run(
+        [sys.executable, "-m", "pixelsac.train", *args],
+        cwd=cwd,
+        env=cli_env(*([extra_path] if extra_path else [])),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def start_cli(*args: str, cwd: Path) -> subprocess.Popen:
+    """``run_cli`` in the background: its stderr is kept, its stdout dropped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pixelsac.train", *args],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def main_in(cwd: Path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``pixelsac.train.main(args)`` in this process, run from ``cwd``: its exit code and stderr."""
+    from pixelsac.train import main
+
+    monkeypatch.chdir(cwd)
+    threads = torch.get_num_threads()
+    try:
+        code = main(list(args))
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().err
 
 
 @dataclass(frozen=True)
@@ -71,14 +111,7 @@ class TrainedRun:
 
 def train_once(tmp_path_factory: pytest.TempPathFactory, name: str, *overrides: str) -> TrainedRun:
     run_dir = tmp_path_factory.mktemp("trained") / name
-    result = subprocess.run(
-        [sys.executable, "-m", "pixelsac.train", *overrides, f"run_dir={run_dir}"],
-        cwd=run_dir.parent,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_cli(*overrides, f"run_dir={run_dir}", cwd=run_dir.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     return TrainedRun(run_dir, result.stdout)
 
@@ -95,3 +128,9 @@ def tiny_fp16_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     evaluates on a CPU), 160 frames with two evaluations (80, 160) so it has a learning curve:
     4 updates, one logged row."""
     return train_once(tmp_path_factory, "tiny_fp16", *TINY, "train.env_frames=160", "train.eval_every_frames=80")
+
+
+@pytest.fixture(scope="session")
+def run16(tiny_fp16_run: TrainedRun) -> Path:
+    """The tiny fp16 run's directory (the evaluation and plot tests read only that)."""
+    return tiny_fp16_run.run_dir

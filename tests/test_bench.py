@@ -3,13 +3,12 @@ measured values, fresh-process cells measure their own memory, and bad input is 
 
 import csv
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_env
 
 from pixelsac import bench, nets
 from pixelsac.benchmark import cells, report
@@ -17,7 +16,6 @@ from pixelsac.benchmark import plan as plan_mod
 from pixelsac.config import load_config, to_plain
 from pixelsac.module import SACModule
 
-REPO = Path(__file__).resolve().parent.parent
 TINY = [
     "task=cartpole_swingup",
     "env.image_size=24",
@@ -280,7 +278,7 @@ def test_an_existing_output_folder_is_not_clobbered(tmp_path, capsys):
 
 
 def test_command_line_refuses_bad_input_with_exit_code_2(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = cli_env()
     result = subprocess.run(
         [sys.executable, "-m", "pixelsac.bench", "bench.modes=fp99"],
         cwd=tmp_path,

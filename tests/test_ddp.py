@@ -1,13 +1,11 @@
 """Data parallelism on a CPU: 2 processes with gloo through `trainer.strategy=ddp`."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import TINY
-from test_train_cli import REPO
+from conftest import REPO, TESTS, TINY, cli_env
 
 DDP = ["trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu", "train.num_threads=1"]
 
@@ -15,13 +13,7 @@ DDP = ["trainer.devices=2", "trainer.strategy=ddp", "trainer.accelerator=cpu", "
 def run_ddp(tmp_path, *args: str, poison: int = -1, no_reduce: bool = False) -> tuple[dict, dict]:
     dump = tmp_path / "dump"
     dump.mkdir()
-    env = {
-        **os.environ,
-        "DUMP_DIR": str(dump),
-        "POISON_UPDATE": str(poison),
-        "NO_REDUCE": "1" if no_reduce else "0",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
-    }
+    env = cli_env(TESTS, DUMP_DIR=str(dump), POISON_UPDATE=str(poison), NO_REDUCE="1" if no_reduce else "0")
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "ddp_check.py"), *TINY, *DDP, *args, f"run_dir={tmp_path / 'run'}"],
         cwd=tmp_path,

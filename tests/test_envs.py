@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 os.environ.setdefault("MUJOCO_GL", "egl")  # before dm_control is imported anywhere
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from conftest import REPO, cli_env  # noqa: E402
 from dm_control import suite  # noqa: E402
 
 from pixelsac.envs import (  # noqa: E402
@@ -23,8 +23,6 @@ from pixelsac.envs import (  # noqa: E402
     available_tasks,
 )
 from pixelsac.replay import ReplayBuffer  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -326,11 +324,11 @@ def test_broken_gl_backend_at_import_is_an_env_error():
         "    print('ENVERROR', err)\n"
         "    sys.exit(2)\n"
     )
-    environment = {**os.environ, "MUJOCO_GL": "not-a-backend", "PYTHONPATH": str(REPO_ROOT)}
+    environment = cli_env(MUJOCO_GL="not-a-backend")
     result = subprocess.run(
         [sys.executable, "-c", script],
         env=environment,
-        cwd=REPO_ROOT,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,

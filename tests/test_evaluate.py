@@ -29,11 +29,6 @@ STEPS_PER_EPISODE = 64 // 8  # env.episode_frames / cartpole_swingup's action re
 FRAMES_PER_EPISODE = STEPS_PER_EPISODE + 1  # the reset frame, then one per agent step
 
 
-@pytest.fixture(scope="session")
-def run16(tiny_fp16_run) -> Path:
-    return tiny_fp16_run.run_dir
-
-
 def read_video(path: Path) -> list[np.ndarray]:
     with imageio.get_reader(path) as reader:
         return [np.asarray(frame) for frame in reader]

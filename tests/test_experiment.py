@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,9 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO, TINY, cli_env
 
 
 def _load_tool():
@@ -33,11 +30,10 @@ GRID_OVERRIDES = [o for o in TINY if not o.startswith("task=")]
 
 
 def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
     return subprocess.run(
         [sys.executable, str(REPO / "tools" / "experiment.py"), *args],
         cwd=cwd,
-        env=env,
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=600,

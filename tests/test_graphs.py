@@ -8,16 +8,14 @@ logging and the loss scalers' host-side counting are checked against plain eager
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 from test_module import fit, make_batch, make_module, mode
 
 from pixelsac.config import load_config
 from pixelsac.graphs import UpdateGraphs, graph_conflicts
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 class ReplayByCalling:

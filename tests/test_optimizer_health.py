@@ -1,20 +1,16 @@
 """The optimizer-moments issue at the module level: an exact discount in every precision, and
 optimizer state covered by the health check (in a module and in a real tiny run)."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import REPO, TESTS, TINY, cli_env
 from test_module import fit, make_batch, make_module
 
 from pixelsac.module import td_target
 from pixelsac.precision import NumericalFailure
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -59,11 +55,7 @@ def test_nonfinite_optimizer_state_is_named_by_loss_and_kind():
 @pytest.mark.slow
 def test_inf_optimizer_state_stops_a_tiny_run_with_exit_3(tmp_path):
     run_dir = tmp_path / "run"
-    env = {
-        **os.environ,
-        "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
-        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
-    }
+    env = cli_env(TESTS)
     result = subprocess.run(
         [
             sys.executable,

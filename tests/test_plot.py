@@ -7,7 +7,6 @@ extra seeds and precision modes are synthesised from its config.yaml, cheaply.""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO, cli_env
 
 
 def _load_tool():
@@ -28,11 +26,6 @@ def _load_tool():
 
 
 plot = _load_tool()
-
-
-@pytest.fixture(scope="session")
-def run16(tiny_fp16_run) -> Path:
-    return tiny_fp16_run.run_dir
 
 
 @pytest.fixture(scope="session")
@@ -68,9 +61,8 @@ def make_run(
 
 
 def run_tool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
     return subprocess.run(
-        [str(REPO / "tools" / "plot"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [str(REPO / "tools" / "plot"), *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=300
     )
 
 

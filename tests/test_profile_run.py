@@ -2,9 +2,8 @@
 
 import importlib.util
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from conftest import REPO
 
 
 def load_tool():

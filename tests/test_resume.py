@@ -1,6 +1,5 @@
 """Reliability: exact resume, crash safety, numerical failure, safe checkpoint loading."""
 
-import os
 import pickle
 import shutil
 import signal
@@ -11,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
-from test_train_cli import REPO, main_in, run_cli, start_cli
+from conftest import REPO, TESTS, TINY, cli_env, main_in, run_cli, start_cli
 
 # TINY: 64-frame episodes at action repeat 8 (8 agent steps), 320 frames, evaluation every 160.
 HALF, FULL = 320, 640
@@ -61,7 +59,7 @@ def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path):
 @pytest.mark.slow
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     run_dir, marker = tmp_path / "run", tmp_path / "saving"
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    env = cli_env(TESTS)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -165,7 +163,7 @@ def test_bad_paths_and_sizes_exit_2_and_write_nothing(tmp_path, monkeypatch, cap
 
 
 def test_no_opengl_exits_2_with_what_to_install(tmp_path):
-    env = {**os.environ, "MUJOCO_GL": "no-such-backend", "PYTHONPATH": str(REPO)}
+    env = cli_env(MUJOCO_GL="no-such-backend")
     result = subprocess.run(
         [sys.executable, "-m", "pixelsac.train", *TINY, "run_dir=out"],
         cwd=tmp_path,

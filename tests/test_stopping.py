@@ -18,8 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
-from test_train_cli import REPO
+from conftest import REPO, TESTS, TINY, cli_env
 
 EXIT_STOPPED = 75
 STOP_EXIT_BOUND_S = 60.0  # signal -> exit, tiny preset: 2.5-4.5 s measured on the 2-core VM (see README); CI headroom
@@ -28,12 +27,7 @@ HELPER = REPO / "tests" / "stop_helper.py"
 
 
 def start(*args: str, cwd: Path, **hooks: str) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"),
-        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
-        **hooks,
-    }
+    env = cli_env(TESTS, **hooks)
     return subprocess.Popen(
         [sys.executable, str(HELPER), *args],
         cwd=cwd,

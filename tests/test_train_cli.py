@@ -2,47 +2,10 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, cli_env  # noqa: F401  (REPO: imported from here by other tests)
-
-
-def run_cli(*args: str, cwd: Path, extra_path: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pixelsac.train", *args],
-        cwd=cwd,
-        env=cli_env(extra_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def start_cli(*args: str, cwd: Path) -> subprocess.Popen:
-    """``run_cli`` in the background: its stderr is kept, its stdout dropped."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "pixelsac.train", *args],
-        cwd=cwd,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def main_in(cwd: Path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """``pixelsac.train.main(args)`` in this process, run from ``cwd``: its exit code and stderr."""
-    from pixelsac.train import main
-
-    monkeypatch.chdir(cwd)
-    threads = torch.get_num_threads()
-    try:
-        code = main(list(args))
-    finally:
-        torch.set_num_threads(threads)
-    return code, capsys.readouterr().err
+from conftest import TINY, cli_env, main_in, run_cli
 
 
 @pytest.mark.slow

@@ -90,8 +90,7 @@ def test_a_dead_worker_is_reported_not_waited_on():
 @pytest.mark.slow
 def test_training_with_two_env_workers(tmp_path):
     import torch
-    from conftest import TINY
-    from test_train_cli import run_cli
+    from conftest import TINY, run_cli
 
     run_dir = tmp_path / "run"
     result = run_cli(*TINY, "precision=fp32", "env.num_envs=2", f"run_dir={run_dir}", cwd=tmp_path)
