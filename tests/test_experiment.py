@@ -124,7 +124,9 @@ def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
     assert rows[("fp32", "480")]["n"] == "2" and rows[("fp16-naive", "480")]["failed"] == "2"
     assert "--collect-only" in (out / "results.md").read_text()
     assert (exported / "results.md").read_text() == (out / "results.md").read_text()
-    assert (exported / "grid.json").is_file()
+    assert (exported / "grid.json").is_file() and (exported / "seeds.csv").is_file()
+    # naive fp16 failed at every seed: its pairs with fp32 are none, and say so
+    assert {r["reading"] for r in read_csv(exported / "paired.csv")} == {"no seed reached the budget in both"}
     assert (exported / "runs" / "cartpole_swingup" / "fp32" / "s2" / "metrics.csv").is_file()
     assert not [p for p in exported.rglob("*") if p.suffix in (".ckpt", ".pt", ".npz")]
     config = (exported / "runs" / "cartpole_swingup" / "fp32" / "s2" / "config.yaml").read_text()
@@ -182,6 +184,61 @@ def test_table_mean_std_iqm_and_failed_counting(tmp_path):
     md = (out / "results.md").read_text()
     assert "| cartpole_swingup | fp32 | 3/3 | 50.0 ± " in md and "**1 failed**" in md
     assert "fp16/s2 at 170 frames" in md and "fp16-naive/s1 at 8 frames" in md
+
+
+def test_paired_differences_are_per_seed_over_the_seeds_both_reached(tmp_path):
+    out = tmp_path / "grid"
+    task = "cartpole_swingup"
+    # fp16 is ahead of fp32 on every seed by 5..15 although the seeds spread from 10 to 90: the
+    # pairs see it, the two modes' intervals overlap
+    fake_run(out / task / "fp32" / "s1", [100, 200], [10, 10])
+    fake_run(out / task / "fp32" / "s2", [100, 200], [50, 50])
+    fake_run(out / task / "fp32" / "s3", [100, 200], [90, 90])
+    fake_run(out / task / "fp32" / "s4", [100], [40])  # short of 200
+    fake_run(out / task / "fp16" / "s1", [100, 200], [15, 20])
+    fake_run(out / task / "fp16" / "s2", [100, 200], [55, 65])
+    fake_run(out / task / "fp16" / "s3", [100, 200], [95, 100])
+    fake_run(out / task / "fp16" / "s4", [100, 200], [0, 0])
+    fake_run(out / task / "fp16-six" / "s1", [100, 200], [30, 0])
+    fake_run(out / task / "fp16-six" / "s2", [100, 200], [40, 100])
+    fake_run(out / task / "fp16-six" / "s3", [100, 150], [60, 60], failed_at=170)
+    modes = ["fp32", "fp16", "fp16-six"]
+    experiment.collect(out, [task], modes, [1, 2, 3, 4], [100, 200], ["--collect-only"], experiment.GridState(out))
+    paired = {(r["mode"], r["env_frames"]): r for r in read_csv(out / "paired.csv")}
+    assert set(paired) == {(m, b) for m in ("fp16", "fp16-six") for b in ("100", "200")}
+    ahead = paired[("fp16", "200")]
+    assert (ahead["against"], ahead["pairs"], ahead["left_out"], ahead["seeds"]) == ("fp32", "3", "1", "1 2 3")
+    assert ahead["differences"] == "10.0 15.0 10.0" and ahead["mean_difference"] == "11.7"
+    assert 10 <= float(ahead["ci_low"]) and float(ahead["ci_high"]) <= 15 and ahead["reading"] == "fp16 higher"
+    level = paired[("fp16", "100")]  # s4 counts here: 0 - 40
+    assert level["differences"] == "5.0 5.0 5.0 -40.0" and level["higher_in"] == "3"
+    assert level["reading"] == "the CI covers 0" and float(level["ci_low"]) < 0 < float(level["ci_high"])
+    mixed = paired[("fp16-six", "200")]  # s3 failed, s4 never ran: two left out
+    assert (mixed["pairs"], mixed["left_out"], mixed["differences"]) == ("2", "2", "-10.0 50.0")
+    seeds = {(r["mode"], r["seed"], r["env_frames"]): (r["status"], r["return"]) for r in read_csv(out / "seeds.csv")}
+    assert seeds[("fp16-six", "3", "200")] == ("failed", "") and seeds[("fp32", "4", "200")] == ("missing", "")
+    assert seeds[("fp16", "2", "200")] == ("ok", "65.0")
+    md = (out / "results.md").read_text()
+    assert "| cartpole_swingup | fp16-six | 0.0 | 100.0 | failed | – |" in md  # per seed at 200
+    assert "| cartpole_swingup | fp16 | 3 (1 left out) | s1: +10.0, s2: +15.0, s3: +10.0 | +11.7 [" in md
+    assert "| 3/3 | fp16 higher |" in md
+    # no fp32 in the grid (or --paired-against none): no paired table, and none left from before
+    experiment.collect(
+        out, [task], ["fp16", "fp16-six"], [1, 2, 3], [200], ["--collect-only"], experiment.GridState(out)
+    )
+    assert not (out / "paired.csv").exists() and "Paired with" not in (out / "results.md").read_text()
+    experiment.collect(
+        out, [task], modes, [1, 2, 3], [200], ["--collect-only"], experiment.GridState(out), against=("fp16",)
+    )
+    assert {r["mode"]: r["against"] for r in read_csv(out / "paired.csv")} == {"fp32": "fp16", "fp16-six": "fp16"}
+    experiment.collect(
+        out, [task], modes, [1, 2, 3], [200], ["--collect-only"], experiment.GridState(out), against=("fp32", "fp16")
+    )  # each pair once: fp16 against fp32, not fp32 against fp16 again
+    assert [(r["mode"], r["against"]) for r in read_csv(out / "paired.csv")] == [
+        ("fp16", "fp32"),
+        ("fp16-six", "fp32"),
+        ("fp16-six", "fp16"),
+    ]
 
 
 def test_value_at_interpolates_and_tolerates_action_repeat_rounding():
@@ -244,6 +301,7 @@ def test_modes_and_commands(tmp_path):
         (["--tasks", "cartpole_swingup", "seed=3"], "seed= is set by the grid"),
         (["--tasks", "cartpole_swingup", "--bogus"], "unrecognized arguments"),
         (["--collect-only"], "no grid.json"),
+        (["--tasks", "cartpole_swingup", "--paired-against", "fp33"], "--paired-against: unknown mode 'fp33'"),
         ([], "--tasks is required"),
     ],
 )

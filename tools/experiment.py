@@ -20,8 +20,11 @@ retried unless ``--retry-failed`` (which starts it afresh), and a missing run st
 records the spec and every run's status after each run ends. Then every run's metrics.csv is
 collected into results.md / results.csv (per task x mode at fixed env-frame budgets: mean ± std
 over seeds, IQM with a bootstrap 95% CI from tools/plot.py, seeds counted, failed runs counted
-as failed, not as zero) and learning curves (curves.png/svg, tools/plot.py). Bad arguments: one
-``error:`` line, exit 2. Exit 1 when a run crashed or was refused (see its train.log).
+as failed, not as zero), seeds.csv (every seed's return at each budget) and paired.csv (each
+mode against each mode of ``--paired-against``, fp32 by default: the same seed's difference, its
+mean over the seeds both reached with a bootstrap 95% CI), and learning curves (curves.png/svg, tools/plot.py).
+Bad arguments: one ``error:`` line, exit 2. Exit 1 when a run crashed or was refused (see its
+train.log).
 """
 
 from __future__ import annotations
@@ -490,8 +493,137 @@ def table_rows(
     return rows
 
 
+def seed_values(
+    results: Sequence[RunResult], budgets: Sequence[int]
+) -> dict[tuple[str, str, int], dict[int, tuple[str, float | None]]]:
+    """``(task, mode, budget) -> {seed: value_at(...)}``: every run's outcome at every budget."""
+    table: dict[tuple[str, str, int], dict[int, tuple[str, float | None]]] = {}
+    for result in results:
+        for budget in budgets:
+            table.setdefault((result.task, result.mode, budget), {})[result.seed] = value_at(result, budget)
+    return table
+
+
+@dataclass
+class Pair:
+    """One mode against a reference mode at one budget, seed by seed.
+
+    With ``d_s = R_mode(s) - R_against(s)`` over the seeds ``s`` at which both runs reached the
+    budget (a seed that failed or is missing in either is left out and counted), ``mean`` is
+    ``mean_s d_s`` and ``[low, high]`` its percentile-bootstrap 95% CI (seeds resampled, as for
+    the IQM). Pairing removes what a seed does to both modes alike (its environment draws, its
+    initial weights): the spread left is the modes' disagreement, not the seeds' spread.
+    """
+
+    task: str
+    mode: str
+    against: str
+    budget: int
+    seeds: list[int]
+    differences: list[float]
+    left_out: int
+    mean: float | None = None
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def reading(self) -> str:
+        """What the interval says: which mode is ahead, or that it cannot tell."""
+        if self.mean is None:
+            return "no seed reached the budget in both"
+        if len(self.seeds) < 2:
+            return "one pair: no interval"
+        if self.low > 0:
+            return f"{self.mode} higher"
+        if self.high < 0:
+            return f"{self.mode} lower"
+        return "the CI covers 0"
+
+
+def paired_rows(
+    results: Sequence[RunResult], budgets: Sequence[int], against: str, resamples: int = 2000
+) -> list[Pair]:
+    """Every other mode against ``against``, per task and budget (see :class:`Pair`)."""
+    plot = load_plot()
+    values = seed_values(results, budgets)
+    modes = list(dict.fromkeys(r.mode for r in results))
+    tasks = list(dict.fromkeys(r.task for r in results))
+    pairs = []
+    for task in tasks:
+        for mode in modes:
+            if mode == against or (task, mode, budgets[0]) not in values:
+                continue
+            for budget in budgets:
+                ours, theirs = values[(task, mode, budget)], values.get((task, against, budget), {})
+                seeds = sorted(set(ours) | set(theirs))
+                both = [s for s in seeds if ours.get(s, ("",))[0] == "ok" and theirs.get(s, ("",))[0] == "ok"]
+                differences = [ours[s][1] - theirs[s][1] for s in both]
+                pair = Pair(task, mode, against, budget, both, differences, len(seeds) - len(both))
+                if differences:
+                    center, low, high = plot.bootstrap_band(np.array(differences)[:, None], "mean", resamples)
+                    pair.mean, pair.low, pair.high = float(center[0]), float(low[0]), float(high[0])
+                pairs.append(pair)
+    return pairs
+
+
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.1f}"
+
+
+def _seed_text(outcome: tuple[str, float | None] | None) -> str:
+    if outcome is None:
+        return "–"
+    status, value = outcome
+    return f"{value:.1f}" if status == "ok" else "failed" if status == "failed" else "–"
+
+
+def write_seed_csv(values: dict[tuple[str, str, int], dict[int, tuple[str, float | None]]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["task", "mode", "seed", "env_frames", "status", "return"])
+        for (task, mode, budget), outcomes in values.items():
+            for seed, (status, value) in sorted(outcomes.items()):
+                writer.writerow([task, mode, seed, budget, status, _fmt(value)])
+
+
+def write_paired_csv(pairs: Sequence[Pair], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(
+            [
+                "task",
+                "mode",
+                "against",
+                "env_frames",
+                "pairs",
+                "left_out",
+                "seeds",
+                "differences",
+                "mean_difference",
+                "ci_low",
+                "ci_high",
+                "higher_in",
+                "reading",
+            ]
+        )
+        for p in pairs:
+            writer.writerow(
+                [
+                    p.task,
+                    p.mode,
+                    p.against,
+                    p.budget,
+                    len(p.seeds),
+                    p.left_out,
+                    " ".join(map(str, p.seeds)),
+                    " ".join(f"{d:.1f}" for d in p.differences),
+                    _fmt(p.mean),
+                    _fmt(p.low),
+                    _fmt(p.high),
+                    sum(d > 0 for d in p.differences),
+                    p.reading,
+                ]
+            )
 
 
 def write_csv(rows: Sequence[Row], path: Path) -> None:
@@ -534,8 +666,16 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
             )
 
 
-def markdown(rows: Sequence[Row], header: dict[str, str], notes: Sequence[str]) -> str:
+def markdown(
+    rows: Sequence[Row],
+    header: dict[str, str],
+    notes: Sequence[str],
+    values: dict[tuple[str, str, int], dict[int, tuple[str, float | None]]] | None = None,
+    seeds: Sequence[int] = (),
+    pairs: Sequence[Pair] = (),
+) -> str:
     plot = load_plot()
+    values = values or {}
     lines = ["# Experiment grid results", ""]
     lines += [f"- {name}: {value}" for name, value in header.items()]
     lines += [
@@ -562,6 +702,36 @@ def markdown(rows: Sequence[Row], header: dict[str, str], notes: Sequence[str]) 
                 f"| {r.task} | {r.mode} | {r.n}/{r.seeds} | {mean} | {iqm} | {failed} | {r.missing} | {r.reference} |"
             )
         lines.append("")
+        if seeds:
+            lines += [
+                "Per seed (– : missing):",
+                "",
+                "| task | mode | " + " | ".join(f"s{s}" for s in seeds) + " |",
+                "|---|---|" + "---|" * len(seeds),
+            ]
+            for r in [r for r in rows if r.budget == budget]:
+                outcomes = values.get((r.task, r.mode, budget), {})
+                cells = " | ".join(_seed_text(outcomes.get(s)) for s in seeds)
+                lines.append(f"| {r.task} | {r.mode} | {cells} |")
+            lines.append("")
+        for against in dict.fromkeys(p.against for p in pairs):
+            here = [p for p in pairs if p.budget == budget and p.against == against]
+            if not here:
+                continue
+            lines += [
+                f"Paired with {against}, seed by seed (mode − {against} on the seeds both "
+                "reached; mean with a bootstrap 95% CI over those seeds):",
+                "",
+                "| task | mode | pairs | differences (seed: value) | mean difference [95% CI] | higher in | reading |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for p in here:
+                listed = ", ".join(f"s{s}: {d:+.1f}" for s, d in zip(p.seeds, p.differences)) or "–"
+                mean = f"{p.mean:+.1f} [{p.low:+.1f}, {p.high:+.1f}]" if p.mean is not None else "–"
+                pairs_text = f"{len(p.seeds)}" + (f" ({p.left_out} left out)" if p.left_out else "")
+                higher = f"{sum(d > 0 for d in p.differences)}/{len(p.seeds)}"
+                lines.append(f"| {p.task} | {p.mode} | {pairs_text} | {listed} | {mean} | {higher} | {p.reading} |")
+            lines.append("")
     lines += [f"- {note}" for note in notes]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -575,8 +745,10 @@ def collect(
     argv: Sequence[str],
     state: GridState,
     resamples: int = 2000,
+    against: Sequence[str] = ("fp32",),
 ) -> list[Row]:
-    """Write results.md, results.csv and curves.png/svg for the grid in ``out``."""
+    """Write results.md, results.csv, seeds.csv, paired.csv (every other mode against each mode
+    of ``against`` that the grid has) and curves.png/svg for the grid in ``out``."""
     plot = load_plot()
     results, runs, notes = [], [], []
     for task in tasks:
@@ -625,8 +797,17 @@ def collect(
         "overrides": " ".join(spec.get("overrides", [])) or "(none)",
         "written": datetime.datetime.now().isoformat(timespec="seconds"),
     }
-    (out / "results.md").write_text(markdown(rows, header, notes))
+    values = seed_values(results, budgets)
+    pairs: list[Pair] = []
+    references = [mode for mode in dict.fromkeys(against) if mode in modes]
+    for i, reference in enumerate(references):  # a later reference is not paired back with an earlier one
+        pairs += [p for p in paired_rows(results, budgets, reference, resamples) if p.mode not in references[:i]]
+    (out / "results.md").write_text(markdown(rows, header, notes, values, seeds, pairs))
     write_csv(rows, out / "results.csv")
+    write_seed_csv(values, out / "seeds.csv")
+    (out / "paired.csv").unlink(missing_ok=True)  # a table left from other modes would mislead
+    if pairs:
+        write_paired_csv(pairs, out / "paired.csv")
     return rows
 
 
@@ -635,7 +816,7 @@ def export(out: Path, dest: Path, tasks: Sequence[str], modes: Sequence[str], se
     EXPORTED_FILES to ``dest``, ``dest/runs/<task>/<mode>/s<seed>/`` for the runs; in the runs'
     files the grid folder's absolute path becomes ``GRID`` (e.g. ``run_dir: GRID/<task>/...``)."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("results.md", "results.csv", "curves.png", "curves.svg", "grid.json"):
+    for name in ("results.md", "results.csv", "seeds.csv", "paired.csv", "curves.png", "curves.svg", "grid.json"):
         if (out / name).is_file():
             shutil.copy2(out / name, dest / name)
     copied = 0
@@ -683,6 +864,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--collect-only", action="store_true", help="only (re)write results from existing runs")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples for the IQM CI")
     parser.add_argument(
+        "--paired-against",
+        default="fp32",
+        help="comma-separated modes every other mode is paired with, seed by seed (default fp32; "
+        "'none': no paired table)",
+    )
+    parser.add_argument(
         "--export",
         default=None,
         help="also copy the results and each finished run's metrics, summary and config (no "
@@ -699,6 +886,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         raise GridError("--jobs must be at least 1")
     if args.resamples < 1:
         raise GridError("--resamples must be positive")
+    if args.paired_against == "none":
+        args.paired_against = []
+    else:
+        try:
+            args.paired_against = parse_modes(args.paired_against)
+        except GridError as exc:
+            raise GridError(f"--paired-against: {exc}") from None
     if args.dry_run and args.collect_only:
         raise GridError("--dry-run and --collect-only exclude each other")
     for item in args.overrides:
@@ -742,7 +936,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             if not final:
                 raise GridError("--budgets is required when grid.json does not say the grid's budget")
             budgets = sorted({final // 2, final})
-        collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples)
+        collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples, args.paired_against)
         print(f"wrote {out / 'results.md'}, {out / 'results.csv'}")
         if args.export:
             export(out, Path(args.export), tasks, modes, seeds)
@@ -805,7 +999,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         f"{skipped} skipped; {out / 'grid.json'}"
     )
     try:
-        collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples)
+        collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples, args.paired_against)
         print(f"wrote {out / 'results.md'}, {out / 'results.csv'}")
         if args.export:
             export(out, Path(args.export), tasks, modes, seeds)
