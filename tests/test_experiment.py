@@ -191,17 +191,21 @@ def test_paired_differences_are_per_seed_over_the_seeds_both_reached(tmp_path):
     task = "cartpole_swingup"
     # fp16 is ahead of fp32 on every seed by 5..15 although the seeds spread from 10 to 90: the
     # pairs see it, the two modes' intervals overlap
-    fake_run(out / task / "fp32" / "s1", [100, 200], [10, 10])
-    fake_run(out / task / "fp32" / "s2", [100, 200], [50, 50])
-    fake_run(out / task / "fp32" / "s3", [100, 200], [90, 90])
-    fake_run(out / task / "fp32" / "s4", [100], [40])  # short of 200
-    fake_run(out / task / "fp16" / "s1", [100, 200], [15, 20])
-    fake_run(out / task / "fp16" / "s2", [100, 200], [55, 65])
-    fake_run(out / task / "fp16" / "s3", [100, 200], [95, 100])
-    fake_run(out / task / "fp16" / "s4", [100, 200], [0, 0])
-    fake_run(out / task / "fp16-six" / "s1", [100, 200], [30, 0])
-    fake_run(out / task / "fp16-six" / "s2", [100, 200], [40, 100])
-    fake_run(out / task / "fp16-six" / "s3", [100, 150], [60, 60], failed_at=170)
+    runs = {  # (mode, seed): (evaluation frames, returns, frame of a numerical failure)
+        ("fp32", 1): ([100, 200], [10, 10], None),
+        ("fp32", 2): ([100, 200], [50, 50], None),
+        ("fp32", 3): ([100, 200], [90, 90], None),
+        ("fp32", 4): ([100], [40], None),  # short of 200
+        ("fp16", 1): ([100, 200], [15, 20], None),
+        ("fp16", 2): ([100, 200], [55, 65], None),
+        ("fp16", 3): ([100, 200], [95, 100], None),
+        ("fp16", 4): ([100, 200], [0, 0], None),
+        ("fp16-six", 1): ([100, 200], [30, 0], None),
+        ("fp16-six", 2): ([100, 200], [40, 100], None),
+        ("fp16-six", 3): ([100, 150], [60, 60], 170),
+    }
+    for (mode, seed), (frames, returns, failed_at) in runs.items():
+        fake_run(out / task / mode / f"s{seed}", frames, returns, failed_at=failed_at)
     modes = ["fp32", "fp16", "fp16-six"]
     experiment.collect(out, [task], modes, [1, 2, 3, 4], [100, 200], ["--collect-only"], experiment.GridState(out))
     paired = {(r["mode"], r["env_frames"]): r for r in read_csv(out / "paired.csv")}

@@ -493,11 +493,13 @@ def table_rows(
     return rows
 
 
-def seed_values(
-    results: Sequence[RunResult], budgets: Sequence[int]
-) -> dict[tuple[str, str, int], dict[int, tuple[str, float | None]]]:
+#: ``(task, mode, budget) -> {seed: value_at(...)}``
+SeedValues = dict[tuple[str, str, int], dict[int, tuple[str, float | None]]]
+
+
+def seed_values(results: Sequence[RunResult], budgets: Sequence[int]) -> SeedValues:
     """``(task, mode, budget) -> {seed: value_at(...)}``: every run's outcome at every budget."""
-    table: dict[tuple[str, str, int], dict[int, tuple[str, float | None]]] = {}
+    table: SeedValues = {}
     for result in results:
         for budget in budgets:
             table.setdefault((result.task, result.mode, budget), {})[result.seed] = value_at(result, budget)
@@ -527,6 +529,11 @@ class Pair:
     high: float | None = None
 
     @property
+    def ahead(self) -> int:
+        """Seeds on which ``mode`` scored higher than ``against``."""
+        return sum(d > 0 for d in self.differences)
+
+    @property
     def reading(self) -> str:
         """What the interval says: which mode is ahead, or that it cannot tell."""
         if self.mean is None:
@@ -540,14 +547,12 @@ class Pair:
         return "the CI covers 0"
 
 
-def paired_rows(
-    results: Sequence[RunResult], budgets: Sequence[int], against: str, resamples: int = 2000
-) -> list[Pair]:
-    """Every other mode against ``against``, per task and budget (see :class:`Pair`)."""
+def paired_rows(values: SeedValues, budgets: Sequence[int], against: str, resamples: int = 2000) -> list[Pair]:
+    """Every other mode against ``against``, per task and budget (see :class:`Pair`), from the
+    seeds' values at the budgets (:func:`seed_values`)."""
     plot = load_plot()
-    values = seed_values(results, budgets)
-    modes = list(dict.fromkeys(r.mode for r in results))
-    tasks = list(dict.fromkeys(r.task for r in results))
+    tasks = list(dict.fromkeys(task for task, _, _ in values))
+    modes = list(dict.fromkeys(mode for _, mode, _ in values))
     pairs = []
     for task in tasks:
         for mode in modes:
@@ -577,100 +582,75 @@ def _seed_text(outcome: tuple[str, float | None] | None) -> str:
     return f"{value:.1f}" if status == "ok" else "failed" if status == "failed" else "–"
 
 
-def write_seed_csv(values: dict[tuple[str, str, int], dict[int, tuple[str, float | None]]], path: Path) -> None:
+def _write_table(path: Path, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["task", "mode", "seed", "env_frames", "status", "return"])
-        for (task, mode, budget), outcomes in values.items():
-            for seed, (status, value) in sorted(outcomes.items()):
-                writer.writerow([task, mode, seed, budget, status, _fmt(value)])
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def write_seed_csv(values: SeedValues, path: Path) -> None:
+    rows = [
+        [task, mode, seed, budget, status, _fmt(value)]
+        for (task, mode, budget), outcomes in values.items()
+        for seed, (status, value) in sorted(outcomes.items())
+    ]
+    _write_table(path, ["task", "mode", "seed", "env_frames", "status", "return"], rows)
 
 
 def write_paired_csv(pairs: Sequence[Pair], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(
-            [
-                "task",
-                "mode",
-                "against",
-                "env_frames",
-                "pairs",
-                "left_out",
-                "seeds",
-                "differences",
-                "mean_difference",
-                "ci_low",
-                "ci_high",
-                "higher_in",
-                "reading",
-            ]
-        )
-        for p in pairs:
-            writer.writerow(
-                [
-                    p.task,
-                    p.mode,
-                    p.against,
-                    p.budget,
-                    len(p.seeds),
-                    p.left_out,
-                    " ".join(map(str, p.seeds)),
-                    " ".join(f"{d:.1f}" for d in p.differences),
-                    _fmt(p.mean),
-                    _fmt(p.low),
-                    _fmt(p.high),
-                    sum(d > 0 for d in p.differences),
-                    p.reading,
-                ]
-            )
+    header = ["task", "mode", "against", "env_frames", "pairs", "left_out", "seeds", "differences"]
+    header += ["mean_difference", "ci_low", "ci_high", "higher_in", "reading"]
+    rows = [
+        [
+            p.task,
+            p.mode,
+            p.against,
+            p.budget,
+            len(p.seeds),
+            p.left_out,
+            " ".join(map(str, p.seeds)),
+            " ".join(f"{d:.1f}" for d in p.differences),
+            _fmt(p.mean),
+            _fmt(p.low),
+            _fmt(p.high),
+            p.ahead,
+            p.reading,
+        ]
+        for p in pairs
+    ]
+    _write_table(path, header, rows)
 
 
 def write_csv(rows: Sequence[Row], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(
-            [
-                "task",
-                "mode",
-                "env_frames",
-                "seeds",
-                "n",
-                "failed",
-                "missing",
-                "mean",
-                "std",
-                "iqm",
-                "iqm_ci_low",
-                "iqm_ci_high",
-                "drq_reference",
-            ]
-        )
-        for r in rows:
-            writer.writerow(
-                [
-                    r.task,
-                    r.mode,
-                    r.budget,
-                    r.seeds,
-                    r.n,
-                    r.failed,
-                    r.missing,
-                    _fmt(r.mean),
-                    _fmt(r.std),
-                    _fmt(r.iqm),
-                    _fmt(r.iqm_low),
-                    _fmt(r.iqm_high),
-                    r.reference,
-                ]
-            )
+    header = ["task", "mode", "env_frames", "seeds", "n", "failed", "missing", "mean", "std", "iqm"]
+    header += ["iqm_ci_low", "iqm_ci_high", "drq_reference"]
+    table = [
+        [
+            r.task,
+            r.mode,
+            r.budget,
+            r.seeds,
+            r.n,
+            r.failed,
+            r.missing,
+            _fmt(r.mean),
+            _fmt(r.std),
+            _fmt(r.iqm),
+            _fmt(r.iqm_low),
+            _fmt(r.iqm_high),
+            r.reference,
+        ]
+        for r in rows
+    ]
+    _write_table(path, header, table)
 
 
 def markdown(
     rows: Sequence[Row],
     header: dict[str, str],
     notes: Sequence[str],
-    values: dict[tuple[str, str, int], dict[int, tuple[str, float | None]]] | None = None,
+    values: SeedValues | None = None,
     seeds: Sequence[int] = (),
     pairs: Sequence[Pair] = (),
 ) -> str:
@@ -729,7 +709,7 @@ def markdown(
                 listed = ", ".join(f"s{s}: {d:+.1f}" for s, d in zip(p.seeds, p.differences)) or "–"
                 mean = f"{p.mean:+.1f} [{p.low:+.1f}, {p.high:+.1f}]" if p.mean is not None else "–"
                 pairs_text = f"{len(p.seeds)}" + (f" ({p.left_out} left out)" if p.left_out else "")
-                higher = f"{sum(d > 0 for d in p.differences)}/{len(p.seeds)}"
+                higher = f"{p.ahead}/{len(p.seeds)}"
                 lines.append(f"| {p.task} | {p.mode} | {pairs_text} | {listed} | {mean} | {higher} | {p.reading} |")
             lines.append("")
     lines += [f"- {note}" for note in notes]
@@ -801,7 +781,7 @@ def collect(
     pairs: list[Pair] = []
     references = [mode for mode in dict.fromkeys(against) if mode in modes]
     for i, reference in enumerate(references):  # a later reference is not paired back with an earlier one
-        pairs += [p for p in paired_rows(results, budgets, reference, resamples) if p.mode not in references[:i]]
+        pairs += [p for p in paired_rows(values, budgets, reference, resamples) if p.mode not in references[:i]]
     (out / "results.md").write_text(markdown(rows, header, notes, values, seeds, pairs))
     write_csv(rows, out / "results.csv")
     write_seed_csv(values, out / "seeds.csv")
