@@ -66,6 +66,9 @@ NULLABLE: dict[str, type] = {
     "perf.aug_backend": str,
 }
 
+#: Nullable keys whose null means "decide for this machine", also spelled ``auto``.
+AUTO_MEANS_NULL = ("lowp.fp32_accumulate",)
+
 # (key, smallest allowed value): sizes and counts that must be positive (or non-negative).
 _LOWER_BOUNDS: dict[str, float] = {
     "env.image_size": 1,
@@ -218,6 +221,8 @@ def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
     if isinstance(default, DictConfig):
         raise ConfigError(f"{key} is a group of keys; set one of them, e.g. {key}.{next(iter(default))}=...")
     expected = NULLABLE.get(key) or type(default)
+    if key in AUTO_MEANS_NULL and value == "auto":
+        value = None
     OmegaConf.update(cfg, key, _check_type(key, value, expected))
 
 

@@ -63,6 +63,34 @@ _MODE_DEFAULTS = {
 
 Scaler = Any  # lowp.CompoundLossScaler | torch.amp.GradScaler | None
 
+#: Update speed against fp32 on a CPU, as measured with ``python -m pixelsac.bench`` (DrQ update,
+#: batch 128, docs/performance.md): native bf16 kernels on AMD Zen 4 (avx512_bf16); the
+#: fp32-accumulated emulation of fp16 and of bf16 on the same and on AVX2-only CPUs.
+_CPU_SPEED_VS_FP32 = {"native": 1.8, torch.float16: 0.8, torch.bfloat16: 0.75}
+
+
+def native_half_kernels(dtype: torch.dtype) -> str | None:
+    """The instruction set of this CPU's native ``dtype`` convolutions and matmuls, or None.
+
+    Native here means oneDNN kernels that read fp16/bf16 and accumulate in fp32 -- the arithmetic
+    of a GPU's tensor cores, which ``lowp.fp32_accumulate`` otherwise emulates -- and that run
+    faster than fp32: AMX or AVX512-BF16 for bf16, AMX-FP16 or AVX512-FP16 for fp16. Read from
+    oneDNN's own capability check and the CPU's feature flags, not from a list of CPU models.
+    Without them torch's half kernels are reference loops, 5-16x slower than fp32.
+    """
+    cpu = getattr(torch, "cpu", None)
+    try:
+        if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            if cpu._is_amx_tile_supported():
+                return "amx_bf16"
+            if cpu._is_avx512_bf16_supported():
+                return "avx512_bf16"
+        if dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported():
+            return "amx_fp16" if cpu._is_amx_fp16_supported() else "avx512_fp16"
+    except (AttributeError, RuntimeError):  # a torch without these probes: assume none
+        return None
+    return None
+
 
 class NumericalFailure(RuntimeError):
     """Training stopped because weights went non-finite or a loss scale collapsed.
@@ -120,8 +148,8 @@ class PrecisionPolicy:
                 switches[name] = bool(cfg.lowp[name])
         low = mode in ("fp16", "bf16")
         fp32_accumulate = cfg.lowp.fp32_accumulate
-        if fp32_accumulate is None:
-            fp32_accumulate = low and device_type == "cpu"
+        if fp32_accumulate is None:  # auto: emulate where the CPU has no native kernels for the dtype
+            fp32_accumulate = low and device_type == "cpu" and native_half_kernels(_PARAM_DTYPE[mode]) is None
         unbiased_moments = cfg.lowp.get("unbiased_moments")
         if unbiased_moments is None:
             unbiased_moments = low
@@ -168,6 +196,24 @@ class PrecisionPolicy:
     @property
     def is_pure_low(self) -> bool:
         return self.mode in ("fp16", "bf16")
+
+    def cpu_kernels(self) -> str | None:
+        """How this run's fp16/bf16 convolutions and matmuls execute on a CPU, with the speed to
+        expect against fp32 (None for fp32/AMP and off the CPU), e.g. ``bf16: native kernels
+        (avx512_bf16), expect ~1.8x fp32's updates/s``."""
+        if not self.is_pure_low or self.device_type != "cpu":
+            return None
+        isa = native_half_kernels(self.param_dtype)
+        if self.fp32_accumulate:
+            why = "no native kernels on this CPU" if isa is None else f"chosen over the native {isa} kernels"
+            speed = _CPU_SPEED_VS_FP32[self.param_dtype]
+            return f"{self.mode}: emulated (fp32-accumulated conv/matmul; {why}), expect ~{speed:g}x fp32's updates/s"
+        if isa is None:
+            return (
+                f"{self.mode}: native kernels requested (lowp.fp32_accumulate=false) but this CPU has none: "
+                "expect 5-16x slower than fp32"
+            )
+        return f"{self.mode}: native kernels ({isa}), expect ~{_CPU_SPEED_VS_FP32['native']:g}x fp32's updates/s"
 
     def cast_module(self, module: nn.Module) -> nn.Module:
         return module.to(self.param_dtype)
@@ -342,6 +388,8 @@ class PrecisionPolicy:
         if self.derived_target:
             on.append("derived_target")
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""
+        if self.is_pure_low and self.device_type == "cpu" and not self.fp32_accumulate:
+            extra = f" (native {native_half_kernels(self.param_dtype) or 'reference'} conv/matmul on CPU)"
         if self.device_type == "cuda" and self.mode in ("fp32", "amp"):
             extra += "; fp32 matmuls/convolutions on TF32 tensor cores" if self.tf32 else "; TF32 off (IEEE fp32)"
         mods = (

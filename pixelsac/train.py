@@ -110,11 +110,9 @@ def train(
         f"{run.trainer.world_size} x {device.type}; {policy.describe()}"
     )
     say(run.replay.describe() + (f" per rank, {run.trainer.world_size} ranks" if run.trainer.world_size > 1 else ""))
-    if policy.is_pure_low and device.type == "cpu":
-        say(
-            f"warning: {cfg.precision} on a CPU is emulated and several times slower than fp32; "
-            "use a GPU for real runs (precision=fp32 for a fast CPU run)"
-        )
+    kernels = policy.cpu_kernels()
+    if kernels is not None:
+        say(kernels)
     try:
         with cli.quiet_lightning():
             run.trainer.fit(

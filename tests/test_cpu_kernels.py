@@ -1,0 +1,116 @@
+"""Native fp16/bf16 CPU kernels versus the fp32-accumulated emulation.
+
+The policy runs a half-precision convolution or matmul natively exactly where oneDNN offers
+kernels that accumulate in fp32 (bf16: AMX or AVX512-BF16; fp16: AMX-FP16 or AVX512-FP16), and
+emulates that arithmetic elsewhere; ``lowp.fp32_accumulate`` true/false forces either way.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pixelsac import precision
+from pixelsac.config import ConfigError, load_config
+from pixelsac.lowp import fp32_accumulate
+from pixelsac.precision import PrecisionPolicy, native_half_kernels
+
+
+def policy(*overrides: str, device: str = "cpu") -> PrecisionPolicy:
+    return PrecisionPolicy.from_config(load_config(list(overrides)), device)
+
+
+@pytest.fixture
+def cpu_with(monkeypatch):
+    """Pretend this CPU has native kernels for the given dtypes (``None``: for none)."""
+
+    def pretend(*dtypes: torch.dtype) -> None:
+        names = {torch.bfloat16: "avx512_bf16", torch.float16: "avx512_fp16"}
+        monkeypatch.setattr(precision, "native_half_kernels", lambda dtype: names[dtype] if dtype in dtypes else None)
+
+    return pretend
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_native_kernels_are_chosen_exactly_where_the_cpu_has_them(cpu_with, mode):
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[mode]
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    cpu_with(dtype)
+    assert not policy(f"precision={mode}").fp32_accumulate
+    assert not policy(f"precision={mode}", "lowp.fp32_accumulate=auto").fp32_accumulate
+    assert policy(f"precision={mode}", "lowp.fp32_accumulate=true").fp32_accumulate  # forced
+    assert "native kernels" in policy(f"precision={mode}").cpu_kernels()
+    cpu_with(other)  # kernels for the other half type only
+    assert policy(f"precision={mode}").fp32_accumulate
+    assert "emulated" in policy(f"precision={mode}").cpu_kernels()
+    cpu_with()
+    assert policy(f"precision={mode}").fp32_accumulate
+    forced = policy(f"precision={mode}", "lowp.fp32_accumulate=false")
+    assert not forced.fp32_accumulate and "has none" in forced.cpu_kernels()
+    assert not policy(f"precision={mode}", device="cuda").fp32_accumulate  # tensor cores do it on a GPU
+    assert policy("precision=fp32").cpu_kernels() is None and policy("precision=amp").cpu_kernels() is None
+
+
+def test_fp32_accumulate_takes_auto_or_a_bool_and_nothing_else():
+    assert load_config(["lowp.fp32_accumulate=auto"]).lowp.fp32_accumulate is None
+    with pytest.raises(ConfigError, match="lowp.fp32_accumulate"):
+        load_config(["lowp.fp32_accumulate=sometimes"])
+
+
+def test_detection_reads_onednn_and_the_cpu_flags(monkeypatch):
+    """avx512_bf16 and AMX each count; oneDNN's bf16 support without either (plain AVX512) does not."""
+    flags = {"mkldnn_bf16": True, "mkldnn_fp16": False, "amx_tile": False, "avx512_bf16": True, "amx_fp16": False}
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: flags["mkldnn_bf16"], raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: flags["mkldnn_fp16"], raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: flags["amx_tile"])
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: flags["avx512_bf16"])
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: flags["amx_fp16"])
+    assert native_half_kernels(torch.bfloat16) == "avx512_bf16" and native_half_kernels(torch.float16) is None
+    flags.update(amx_tile=True)
+    assert native_half_kernels(torch.bfloat16) == "amx_bf16"
+    flags.update(amx_tile=False, avx512_bf16=False)
+    assert native_half_kernels(torch.bfloat16) is None
+    flags.update(mkldnn_fp16=True, amx_fp16=True)
+    assert native_half_kernels(torch.float16) == "amx_fp16"
+    assert native_half_kernels(torch.float32) is None
+
+
+def _bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """|value - reference| in units of the bf16 spacing at the reference (2^(e-7))."""
+    exponent = torch.floor(torch.log2(reference.abs().clamp_min(2.0**-126)))
+    return (value.double() - reference).abs() / torch.pow(2.0, exponent - 7)
+
+
+LAYERS = {  # the DrQ trunk's two kinds of convolution and the projection / head matmuls
+    "conv stride 2": ((8, 9, 24, 24), (16, 9, 3, 3), 2),
+    "conv stride 1": ((8, 16, 11, 11), (16, 16, 3, 3), 1),
+    "linear": ((32, 784), (50, 784), None),
+}
+
+
+def _forward_backward(layer: str, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor | None, emulate: bool):
+    stride, leaves = LAYERS[layer][2], [t.clone().requires_grad_(True) for t in inputs]
+    x, w, b = leaves
+    context = fp32_accumulate() if emulate else torch.enable_grad()
+    with context:
+        out = F.linear(x, w, b) if stride is None else F.conv2d(x, w, b, stride=stride)
+    if grad is None:
+        return out
+    out.backward(grad)
+    return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+
+@pytest.mark.skipif(native_half_kernels(torch.bfloat16) is None, reason="this CPU has no native bf16 kernels")
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_native_bf16_agrees_with_the_emulation_within_one_ulp(layer):
+    """Both compute each output and gradient as an fp32 sum rounded once to bf16: they may differ
+    where the two summation orders straddle a rounding boundary, by one bf16 ulp at most."""
+    torch.manual_seed(0)
+    x_shape, w_shape, _ = LAYERS[layer]
+    inputs = (torch.randn(x_shape), torch.randn(w_shape) * 0.1, torch.randn(w_shape[0]) * 0.1)
+    inputs = tuple(t.bfloat16() for t in inputs)
+    grad = torch.randn_like(_forward_backward(layer, inputs, None, emulate=True)).bfloat16()
+    native = _forward_backward(layer, inputs, grad, emulate=False)
+    emulated = _forward_backward(layer, inputs, grad, emulate=True)
+    for name, a, b in zip(("output", "input grad", "weight grad", "bias grad"), native, emulated):
+        worst = float(_bf16_ulps(a, b.double()).max())
+        assert worst <= 1.0, f"{layer} {name}: native and emulated differ by {worst:g} bf16 ulps"
