@@ -114,3 +114,24 @@ def test_native_bf16_agrees_with_the_emulation_within_one_ulp(layer):
     for name, a, b in zip(("output", "input grad", "weight grad", "bias grad"), native, emulated):
         worst = float(_bf16_ulps(a, b.double()).max())
         assert worst <= 1.0, f"{layer} {name}: native and emulated differ by {worst:g} bf16 ulps"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bench_rows_say_which_kernels_ran(cpu_with, native):
+    from pixelsac.benchmark.cells import _compute
+    from pixelsac.benchmark.plan import MODES
+
+    cpu_with(*([torch.bfloat16] if native else []))
+
+    def compute(mode: str, device: str = "cpu") -> tuple[str, bool]:
+        return _compute(load_config(list(MODES[mode].overrides)), MODES[mode], device)
+
+    if native:
+        assert compute("bf16") == ("native CPU bfloat16 kernels (avx512_bf16)", False)
+        assert compute("bf16-native") == compute("bf16")
+    else:
+        assert compute("bf16")[1] and "emulated" in compute("bf16")[0]
+        assert compute("bf16-native") == ("CPU bfloat16 reference kernels (no native ones)", False)
+    assert compute("bf16-emulated")[1]  # forced on either way
+    assert compute("fp16")[1]  # no fp16 kernels pretended: emulated
+    assert compute("bf16", "cuda") == ("bfloat16 tensor cores", False)

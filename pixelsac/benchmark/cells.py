@@ -22,7 +22,7 @@ _CELL_MARK = "PIXELSAC_BENCH_ROW "
 
 def _compute(cfg: Any, mode: Mode, device_type: str) -> tuple[str, bool]:
     """What the arithmetic really ran in, and whether half precision was emulated on a CPU."""
-    from pixelsac.precision import PrecisionPolicy
+    from pixelsac.precision import PrecisionPolicy, native_half_kernels
 
     policy = PrecisionPolicy.from_config(cfg, device_type)
     if mode.tf32:
@@ -34,7 +34,10 @@ def _compute(cfg: Any, mode: Mode, device_type: str) -> tuple[str, bool]:
     low = str(policy.param_dtype).removeprefix("torch.")
     if policy.fp32_accumulate:
         return f"{low} storage, fp32-accumulated conv/matmul (emulated tensor cores)", True
-    return (f"native CPU {low} kernels" if device_type == "cpu" else f"{low} tensor cores"), False
+    if device_type != "cpu":
+        return f"{low} tensor cores", False
+    isa = native_half_kernels(policy.param_dtype)
+    return (f"native CPU {low} kernels ({isa})" if isa else f"CPU {low} reference kernels (no native ones)"), False
 
 
 def run_cell(spec: CellSpec) -> dict[str, Any]:

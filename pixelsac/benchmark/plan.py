@@ -65,6 +65,18 @@ def _modes() -> dict[str, Mode]:
             "fp16 + six on the CPU's native fp16 kernels (fp32-accumulate emulation off)",
             only_on="cpu",
         ),
+        Mode(
+            "bf16-native",
+            ("precision=bf16", "lowp.fp32_accumulate=false"),
+            "pure bf16 on the CPU's own bf16 kernels, whatever the CPU has (emulation forced off)",
+            only_on="cpu",
+        ),
+        Mode(
+            "bf16-emulated",
+            ("precision=bf16", "lowp.fp32_accumulate=true"),
+            "pure bf16 with the fp32-accumulated emulation forced on (the bf16 row picks for the CPU)",
+            only_on="cpu",
+        ),
     ]
     modes += [
         Mode(

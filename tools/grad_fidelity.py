@@ -1,0 +1,181 @@
+"""How faithful a low-precision agent's gradients are, judged by float64, on a real run's state.
+
+Loads a run's ``last.ckpt`` and the replay buffer saved beside it, samples real batches and, for
+each batch, computes the critic loss and the actor and temperature losses with their gradients
+twice from the same weights, augmentation shifts and policy noise: once as the run computes them
+(its dtype, its precision policy) and once in float64 (the weights upcast exactly, the noise
+unrounded). Per group of weights it reports the cosine between the two gradients and the
+relative error ``‖g - g64‖ / ‖g64‖``, averaged over the batches; the actor's output layer is
+split into its mean (μ) rows and its log σ rows. ``--variant`` recomputes the low-precision side
+with extra overrides (e.g. ``lowp.fp32_accumulate=false``), from the same weights.
+
+    python tools/grad_fidelity.py RUN_DIR --batches 8
+
+The judge is float64 Adam's view of the same step: a group whose cosine falls well below the
+others' is where the low precision loses the learning signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pixelsac import checkpoint as ckpt_io
+from pixelsac import precision
+from pixelsac.config import from_plain, load_config, to_plain
+from pixelsac.module import SACModule
+from pixelsac.replay import ReplaySet
+
+
+def float64_policy(policy: precision.PrecisionPolicy) -> precision.PrecisionPolicy:
+    judge = dataclasses.make_dataclass("Float64Policy", [], bases=(precision.PrecisionPolicy,), frozen=True)
+    judge.param_dtype = property(lambda self: torch.float64)
+    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(precision.PrecisionPolicy)}
+    fields.update(fp32_accumulate=False)
+    return judge(**fields)
+
+
+def load_run(run_dir: Path) -> tuple[SACModule, ReplaySet, dict[str, Any]]:
+    checkpoint = ckpt_io.load(run_dir, prefer="last")
+    module = SACModule.from_checkpoint(checkpoint)
+    cfg = module.cfg
+    replay_file = None
+    for state in checkpoint.get("callbacks", {}).values():
+        if isinstance(state, dict) and state.get("replay_file"):
+            replay_file = state["replay_file"]
+    if replay_file is None:
+        raise SystemExit(f"error: {run_dir}'s last.ckpt names no replay file (checkpoint.save_replay was off)")
+    state = torch.load(run_dir / "checkpoints" / replay_file, map_location="cpu", weights_only=True)
+    frame_shape = (module.obs_shape[0] // cfg.env.frame_stack, *module.obs_shape[1:])
+    replay = ReplaySet(1, cfg.replay.capacity, frame_shape, np.uint8, cfg.env.frame_stack, module.action_dim)
+    replay.buffers[0].load_state_dict(state)
+    return module, replay, checkpoint
+
+
+@contextlib.contextmanager
+def shared_noise(seed: int):
+    """torch.randn draws float32 normals from one seeded stream and casts them to the dtype asked
+    for: every precision gets the same noise (rounded to its dtype), float64 gets it unrounded."""
+    original = torch.randn
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        return original(shape, generator=generator, dtype=torch.float32).to(dtype=dtype or torch.float32)
+
+    torch.randn = randn
+    try:
+        yield
+    finally:
+        torch.randn = original
+
+
+def gradients(module: SACModule, batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Gradients of the critic loss (critic weights) and of the actor and temperature losses."""
+    policy, agent = module.precision_policy, module.cfg.agent
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the augmentation's shifts (integers: the same in every dtype)
+    with shared_noise(seed):
+        next_aug = policy.cast_observation(module.augment.copies(batch["next_obs"], agent.aug_target_copies))
+        obs_aug = policy.cast_observation(module.augment.copies(batch["obs"], agent.aug_q_copies))
+        action, reward, not_terminal = (policy.cast_input(batch[k]) for k in ("action", "reward", "not_terminal"))
+        with policy.compute_context():
+            critic_loss, _ = module.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
+        critic_loss.backward()
+        grads = {f"critic.{n}": p.grad.detach().double().clone() for n, p in module.critic.named_parameters()}
+        with policy.compute_context():
+            actor_loss, alpha_loss, _ = module.actor_and_alpha_loss(obs_aug[: action.shape[0]])
+        (actor_loss + alpha_loss).backward()
+    grads.update({f"actor.{n}": p.grad.detach().double().clone() for n, p in module.actor.named_parameters()})
+    grads["log_alpha"] = module.log_alpha.grad.detach().double().clone().reshape(1)
+    return grads
+
+
+def grouped(grads: dict[str, torch.Tensor], module: SACModule) -> dict[str, torch.Tensor]:
+    """Flat gradient per group; the actor's output layer split into μ rows and log σ rows."""
+    last = [n for n, m in module.actor.policy.named_modules() if isinstance(m, torch.nn.Linear)][-1]
+    out_w, out_b = grads.pop(f"actor.policy.{last}.weight"), grads.pop(f"actor.policy.{last}.bias")
+    half = out_w.shape[0] // 2
+    groups: dict[str, list[torch.Tensor]] = {
+        "actor output: mu rows": [out_w[:half], out_b[:half]],
+        "actor output: log_std rows": [out_w[half:], out_b[half:]],
+    }
+    for name, grad in grads.items():
+        parts = name.split(".")
+        key = ".".join(parts[:2]) if parts[0] in ("critic", "actor") else parts[0]
+        groups.setdefault(key, []).append(grad)
+    return {k: torch.cat([t.reshape(-1) for t in v]) for k, v in groups.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", action="append", default=[], help='NAME="key=value ..." (repeatable)')
+    parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    module, replay, checkpoint = load_run(args.run_dir)
+    module.augment.backend = "index"
+    judge = copy.deepcopy(module).double()
+    judge.precision_policy = float64_policy(module.precision_policy)
+    contenders = {"as trained": module}
+    for spec in args.variant:
+        name, _, overrides = spec.partition("=")
+        config = to_plain(load_config(overrides.split(), base=to_plain(module.cfg)))
+        variant = SACModule(config, module.obs_shape, module.action_dim)
+        variant.load_state_dict(module.state_dict())
+        variant.augment.backend = "index"
+        contenders[name] = variant
+    rng = np.random.default_rng(args.seed)
+    sums: dict[str, dict[str, list[float]]] = {name: {} for name in contenders}
+    for b in range(args.batches):
+        batch = replay.sample(module.cfg.agent.batch_size, rng)
+        reference = grouped(gradients(judge, batch, seed=b), judge)
+        for name, contender in contenders.items():
+            mine = grouped(gradients(contender, batch, seed=b), contender)
+            for group, g64 in reference.items():
+                g = mine[group]
+                cosine = float(torch.nn.functional.cosine_similarity(g, g64, dim=0))
+                rel = float((g - g64).norm() / g64.norm().clamp_min(1e-300))
+                sums[name].setdefault(group, []).append((cosine, rel))
+    rows = [
+        {
+            "variant": name,
+            "group": group,
+            "cosine": float(np.mean([c for c, _ in values])),
+            "relative_error": float(np.mean([r for _, r in values])),
+        }
+        for name, groups in sums.items()
+        for group, values in groups.items()
+    ]
+    frames = checkpoint.get("pixelsac", {}).get("updates")
+    lines = [
+        f"Run {args.run_dir.name} ({from_plain(module.cfg).precision}, {frames} updates), "
+        f"{args.batches} replay batches; gradients against float64 from the same weights, shifts and noise.",
+        "",
+        "| variant | group | cosine | ‖g − g64‖ / ‖g64‖ |",
+        "|---|---|---|---|",
+    ] + [f"| {r['variant']} | {r['group']} | {r['cosine']:.5f} | {r['relative_error']:.4f} |" for r in rows]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        command = "python tools/grad_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".md").write_text(f"Command: `{command}`\n\n{table}")
+        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
