@@ -225,7 +225,7 @@ def _closure(roots: list[str], environment: dict[str, str]) -> dict[str, str | N
 
 
 def test_the_wheel_list_covers_what_the_packages_declare_for_the_gpu_python():
-    """Every requirement of dm_control, mujoco, kornia, omegaconf and pytest (as installed here,
+    """Every requirement of dm_control, mujoco, kornia, omegaconf, imageio and pytest (as installed here,
     markers read for CPython 3.12 on Linux) is in the list, pinned to the version tested here,
     unless torch or lightning bring it, the GPU machine has it, or it is left out on purpose."""
     environment = {
@@ -239,7 +239,7 @@ def test_the_wheel_list_covers_what_the_packages_declare_for_the_gpu_python():
         "os_name": "posix",
     }
     on_the_machine = set(_closure(["torch", "lightning"], environment)) | set(gpu_wheels.GPU_MACHINE_HAS)
-    needed = _closure(["dm_control", "mujoco", "kornia", "omegaconf", "pytest"], environment)
+    needed = _closure(["dm_control", "mujoco", "kornia", "omegaconf", "pytest", "imageio"], environment)
     listed = dict(map(pinned, gpu_wheels.WHEELS))
     missing = set(needed) - on_the_machine - set(gpu_wheels.LEFT_OUT) - set(listed)
     assert not missing

@@ -57,6 +57,7 @@ WHEELS: tuple[str, ...] = (
     "omegaconf==2.4.0",  # 2.4 vendors its antlr runtime
     "tensorboardx==2.6.5",  # Lightning's TensorBoard logger without tensorboard's gRPC wheels
     "protobuf==7.36.2",  # tensorboardX's
+    "imageio==2.38.2",  # GIF videos (mp4 needs imageio-ffmpeg's 68 MB binary: not carried); tests import it
     "pytest==9.2.0",  # the GPU tests (tools/gpu_run.sh part 0)
     "iniconfig==2.3.1",
     "pluggy==1.7.0",
