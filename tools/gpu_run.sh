@@ -186,8 +186,14 @@ part() {  # part NAME command...: runs it if it fits the budget, records how it 
   fi
   say "part $name (limit ${limit}s): $*"
   local t0=$SECONDS state
-  timeout -k "$GRACE" "$limit" "$@" > "$WORK/$name.log" 2>&1
+  # timeout runs the part in a process group of its own: its id is kept in part.pgid, so whoever
+  # ends this script early can end the part too (kill -- -$(cat WORK/part.pgid))
+  timeout -k "$GRACE" "$limit" "$@" > "$WORK/$name.log" 2>&1 &
+  local pgid=$!
+  echo "$pgid" > "$WORK/part.pgid"
+  wait "$pgid"
   local rc=$?
+  rm -f "$WORK/part.pgid"
   if (( rc == 0 )); then state=ok
   elif (( rc == 124 || rc == 137 )); then state="timed out"
   elif (( rc > 128 )); then state="killed (signal $(( rc - 128 )))"
