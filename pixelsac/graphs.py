@@ -182,11 +182,15 @@ class UpdateGraphs:
         """Whether the last update was a plain replay (not a warm-up or a capture)."""
         return self.last_update == "replay"
 
-    def pool_bytes(self) -> int:
-        """Bytes held by the graphs' memory pool (0 before a capture, or with a stand-in runner)."""
+    def pool_bytes(self) -> int | None:
+        """Bytes held by the graphs' memory pool (0 before a capture, or with a stand-in runner;
+        None where the allocator's snapshot cannot say: a figure, never a reason to fail)."""
         if not self.graphs or not hasattr(self.runner, "pool_bytes"):
             return 0
-        return int(self.runner.pool_bytes())
+        try:
+            return int(self.runner.pool_bytes())
+        except Exception:  # the snapshot's layout is torch's private business
+            return None
 
     def _recorded_update(self, kind: tuple[bool, bool]) -> None:
         metrics = self.module.update(self.static_batch, *kind, graph_safe=True)
