@@ -41,10 +41,16 @@ def _counters(collector: Collector, module: Any) -> dict[str, float]:
 
 
 class TrainingLogger(L.Callback):
-    """Losses, temperature, entropy, loss scales, skipped steps and episode returns."""
+    """Losses, temperature, entropy, loss scales, skipped steps and episode returns.
+
+    :attr:`progress` keeps the latest episode return and critic loss as host floats for the
+    progress bar (read when it redraws): handed to ``module.log(prog_bar=True)`` they would
+    become device tensors that Lightning reads back with ``.item()`` at every redraw.
+    """
 
     def __init__(self, collector: Collector) -> None:
         self.collector = collector
+        self.progress: dict[str, float] = {}
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         counters = _counters(self.collector, module)
@@ -58,7 +64,7 @@ class TrainingLogger(L.Callback):
                 },
                 step=episode.env_frames,
             )
-            module.log("return", episode.ret, prog_bar=True, logger=False, batch_size=1)
+            self.progress["return"] = float(episode.ret)
         if module.metrics:
             metrics, module.metrics = module.metrics, {}
             row = {f"train/{k}": float(v) for k, v in metrics.items()}  # one host sync per log interval
@@ -67,20 +73,22 @@ class TrainingLogger(L.Callback):
             for name, count in module.skipped.items():
                 row[f"lowp/skipped_{name}"] = count
             _log(trainer, {**row, **counters}, step=counters["env_frames"])
-            module.log("critic_loss", row["train/critic_loss"], prog_bar=True, logger=False, batch_size=1)
+            self.progress["critic_loss"] = row["train/critic_loss"]
 
 
 class ProgressBar(TQDMProgressBar):
-    """Lightning's bar, with the env-frame count first and printed as an integer."""
+    """Lightning's bar showing the env-frame count (an integer), the latest episode return and
+    critic loss. It is read only when the bar redraws, from values the host already holds
+    (:attr:`TrainingLogger.progress`): never a device read per update."""
 
     def __init__(self, collector: Collector) -> None:
         super().__init__()
         self.collector = collector
 
     def get_metrics(self, trainer: L.Trainer, module: Any) -> dict[str, Any]:
-        metrics = super().get_metrics(trainer, module)
-        metrics.pop("v_num", None)
-        return {"frames": str(self.collector.total_env_frames), **metrics}
+        # not Lightning's trainer.progress_bar_metrics: it converts logged tensors with .item()
+        logger = next((c for c in trainer.callbacks if isinstance(c, TrainingLogger)), None)
+        return {"frames": str(self.collector.total_env_frames), **(logger.progress if logger else {})}
 
 
 class PlainProgress(LightningProgressBar):

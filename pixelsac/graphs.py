@@ -22,6 +22,7 @@ and, once per ``growth_interval``, the growth check -- runs after each replay.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -61,6 +62,32 @@ def graph_conflicts(cfg: Any, device_type: str, world_size: int) -> str | None:
     return None
 
 
+def update_cycle(actor_every: int, target_every: int) -> int:
+    """Updates after which the schedule of update kinds repeats: the critic runs every update,
+    the actor and temperature every ``actor_every``-th, the target update every
+    ``target_every``-th. Timing whole cycles times the kinds in a run's own proportions (DrQ:
+    critic-only and full updates 1:1)."""
+    return math.lcm(max(int(actor_every), 1), max(int(target_every), 1))
+
+
+def updates_to_capture(actor_every: int, target_every: int, warmup_updates: int, start: int = 0) -> int:
+    """How many updates, from update number ``start``, until every kind of update has run its
+    ``warmup_updates`` eager updates and its capture (:class:`UpdateGraphs`): from then on every
+    update is a replay. Timing must start after these, or it times eager and capturing updates."""
+    kinds = {
+        (u % actor_every == 0, u % target_every == 0)
+        for u in range(start, start + update_cycle(actor_every, target_every))
+    }
+    seen: dict[tuple[bool, bool], int] = {}
+    count = 0
+    while any(seen.get(kind, 0) <= max(int(warmup_updates), 1) for kind in kinds):
+        u = start + count
+        kind = (u % actor_every == 0, u % target_every == 0)
+        seen[kind] = seen.get(kind, 0) + 1
+        count += 1
+    return count
+
+
 class GraphRunner:
     """Records a function into a CUDA graph and replays it (the one part that needs a GPU)."""
 
@@ -86,6 +113,16 @@ class GraphRunner:
     def replay(graph: Any) -> None:
         graph.replay()
 
+    def pool_bytes(self) -> int:
+        """Bytes the graphs' private memory pool holds (reserved for replays, which allocate
+        nothing through the caching allocator, so ``max_memory_allocated`` never sees them)."""
+        pool = tuple(self.pool)
+        return sum(
+            int(segment["total_size"])
+            for segment in torch.cuda.memory_snapshot()
+            if tuple(segment.get("segment_pool_id", ())) == pool
+        )
+
 
 class UpdateGraphs:
     """Runs a :class:`~pixelsac.module.SACModule`'s updates as replays of captured graphs.
@@ -105,6 +142,7 @@ class UpdateGraphs:
         self.outputs: dict[tuple[bool, bool], dict[str, torch.Tensor]] = {}
         self.eager_updates: dict[tuple[bool, bool], int] = {}
         self.static_batch: dict[str, torch.Tensor] | None = None
+        self.last_update: str | None = None  # "eager", "capture" or "replay": what the last run() did
 
     @property
     def runner(self) -> Any:
@@ -129,11 +167,30 @@ class UpdateGraphs:
                 else:
                     for k, v in metrics.items():
                         self.outputs[kind][k].copy_(v)
+                self.last_update = "eager"
                 return self.outputs[kind]
             self.graphs[kind] = self.runner.capture(lambda: self._recorded_update(kind))
+            self.last_update = "capture"  # capturing, then the first replay: not a replay's time
+        else:
+            self.last_update = "replay"
         self.runner.replay(self.graphs[kind])
         self._count_host_steps(with_actor)
         return self.outputs[kind]
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the last update was a plain replay (not a warm-up or a capture)."""
+        return self.last_update == "replay"
+
+    def pool_bytes(self) -> int | None:
+        """Bytes held by the graphs' memory pool (0 before a capture, or with a stand-in runner;
+        None where the allocator's snapshot cannot say: a figure, never a reason to fail)."""
+        if not self.graphs or not hasattr(self.runner, "pool_bytes"):
+            return 0
+        try:
+            return int(self.runner.pool_bytes())
+        except Exception:  # the snapshot's layout is torch's private business
+            return None
 
     def _recorded_update(self, kind: tuple[bool, bool]) -> None:
         metrics = self.module.update(self.static_batch, *kind, graph_safe=True)

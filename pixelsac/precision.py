@@ -374,10 +374,16 @@ class PrecisionPolicy:
 
         The legacy switches, on purpose: Lightning reads ``torch.get_float32_matmul_precision()``,
         which raises once the new ``fp32_precision`` API and the legacy one have both been used.
+
+        fp16 and bf16 matmuls (pure or autocast) accumulate in fp32 on cuBLAS: its reduced-precision
+        split-K reductions, on by default, are turned off, since the numerics were validated with
+        fp32 accumulation (the CPU emulation's ``lowp.fp32_accumulate``).
         """
         torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
         torch.backends.cuda.matmul.allow_tf32 = self.tf32
         torch.backends.cudnn.allow_tf32 = self.tf32
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
     def describe(self) -> str:
         on = [name for name in SIX if getattr(self, name)]

@@ -5,6 +5,9 @@ DDP has averaged the gradients, so only the scaler's all-reduced flag can make r
 
 ``NO_REDUCE=1`` turns the scalers' all-reduce off (a negative control: the replicas diverge).
 
+Every rank also counts the ``torch.distributed.barrier`` and ``all_reduce`` calls made inside
+``SACModule.update`` (``barriers_in_updates``, ``all_reduces_in_updates`` in the dump).
+
 Lightning's DDP launcher re-runs this same script for rank 1, so the patches apply on all ranks.
 """
 
@@ -23,6 +26,25 @@ dump_dir = Path(os.environ["DUMP_DIR"])
 poison_update = int(os.environ.get("POISON_UPDATE", "-1"))
 
 
+calls_in_updates = {"barrier": 0, "all_reduce": 0}
+inside_update = [False]
+
+
+def counted(name):
+    real = getattr(torch.distributed, name)
+
+    def call(*args, **kwargs):
+        if inside_update[0]:
+            calls_in_updates[name] += 1
+        return real(*args, **kwargs)
+
+    setattr(torch.distributed, name, call)
+
+
+counted("barrier")
+counted("all_reduce")
+
+
 class DumpRankState(L.Callback):
     def on_train_end(self, trainer, module):
         torch.save(
@@ -32,6 +54,8 @@ class DumpRankState(L.Callback):
                 "skipped": dict(module.skipped),
                 "scales": module.loss_scales(),
                 "env_frames": self.collector.env_frames,
+                "barriers_in_updates": calls_in_updates["barrier"],
+                "all_reduces_in_updates": calls_in_updates["all_reduce"],
             },
             dump_dir / f"rank{trainer.global_rank}.pt",
         )
@@ -54,6 +78,16 @@ def build_run(cfg, resume_from=None, **kwargs):
         return real_step(scaler, optimizer, reduce_found_inf)
 
     lowp.CompoundLossScaler.step = poisoned_step
+    real_update = module.update
+
+    def update(*args, **kwargs):
+        inside_update[0] = True
+        try:
+            return real_update(*args, **kwargs)
+        finally:
+            inside_update[0] = False
+
+    module.update = update
     if os.environ.get("NO_REDUCE") == "1":  # negative control: each rank decides alone
         module._reduce_found_inf = lambda: None
     return run

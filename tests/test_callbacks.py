@@ -102,6 +102,63 @@ def test_training_logger_rows_episodes_and_intervals():
     step, row = logger.rows[-1]
     assert step == 50 and row["train/critic_loss"] == 0.5 and row["lowp/loss_scale_critic"] == 256.0
     assert row["lowp/skipped_critic"] == 1 and row["updates"] == 3
-    assert module.metrics == {} and module.logged["critic_loss"] == 0.5
+    assert module.metrics == {} and callback.progress == {"return": 12.5, "critic_loss": 0.5}
     callback.on_train_batch_end(trainer, module, None, None, 2)  # nothing new: no row
     assert len(logger.rows) == 2
+
+
+def test_the_progress_bar_reads_no_tensor_when_it_redraws(tmp_path):
+    """A real Trainer with the bar redrawn at every batch: the bar shows frames, the episode
+    return and the critic loss, and reads no tensor value (``aten._local_scalar_dense``, what
+    ``.item()`` runs: a device-to-host wait on a GPU) in any batch-end redraw."""
+    import lightning as L
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pixelsac.callbacks import ProgressBar
+
+    class CountReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                CountReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    class CountedBar(ProgressBar):
+        def on_train_batch_end(self, *args):
+            with CountReads():
+                super().on_train_batch_end(*args)
+            self.shown = self.get_metrics(args[0], args[1])
+
+    class Agent(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.updates, self.metrics, self.skipped = 0, {}, {}
+
+        def training_step(self, batch):
+            self.updates += 1
+            if self.updates % 4 == 0:  # a log interval: losses as tensors, as SACModule hands them over
+                self.metrics = {"critic_loss": torch.tensor(0.25 * self.updates)}
+
+        def loss_scales(self):
+            return {}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    collector = SimpleNamespace(total_env_frames=0, total_agent_steps=0, finished=[Episode(8, 3.5, 8)])
+    collector.drain_episodes = lambda: [collector.finished.pop()] if collector.finished else []
+    bar = CountedBar(collector)
+    trainer = L.Trainer(
+        max_epochs=1,
+        callbacks=[TrainingLogger(collector), bar],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Agent(), torch.utils.data.DataLoader([torch.zeros(1)] * 12, batch_size=None))
+    assert CountReads.reads == 0
+    assert bar.shown == {"frames": "0", "return": 3.5, "critic_loss": 3.0}

@@ -55,3 +55,14 @@ def test_without_the_all_reduce_the_replicas_drift_apart(tmp_path):
     a, b = run_ddp(tmp_path, "precision=fp16", poison=3, no_reduce=True)
     assert (a["skipped"]["critic"], b["skipped"]["critic"]) == (0, 1)
     assert differing(a, b)
+
+
+@pytest.mark.slow
+def test_an_update_waits_at_no_barrier(tmp_path):
+    """The skip decision's all-reduce (critic, actor, temperature: 3 per full update) goes to
+    torch.distributed directly; Lightning's strategy.reduce would add a barrier before each."""
+    a, b = run_ddp(tmp_path, "precision=fp16")
+    for rank in (a, b):
+        assert rank["barriers_in_updates"] == 0
+        assert rank["all_reduces_in_updates"] >= rank["updates"]  # the flags were still reduced
+    assert differing(a, b) == []

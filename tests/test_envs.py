@@ -376,3 +376,56 @@ def test_a_smaller_shadow_map_changes_only_shadow_edges(make_env):
     assert changed_small < 0.01 < changed_none  # without shadows many pixels change
     with pytest.raises(EnvError, match="shadow_size must be an integer >= 0"):
         DMCEnv("cartpole_swingup", shadow_size=-1)
+
+
+@pytest.mark.parametrize(
+    "environ,gpus,expected",
+    [
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "1"}, 2, "1"),
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, 4, "3"),
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "GPU-1a2b,GPU-3c4d"}, 2, None),
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "1", "MUJOCO_EGL_DEVICE_ID": "0"}, 2, None),  # the user's choice
+        ({"MUJOCO_GL": "osmesa", "LOCAL_RANK": "1"}, 2, None),
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "1"}, 0, None),  # no NVIDIA GPU: Mesa's one device
+        ({"MUJOCO_GL": "egl"}, 2, None),  # not a data-parallel rank
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "2"}, 2, None),  # more ranks than GPUs: EGL's choice
+    ],
+)
+def test_each_rank_renders_on_its_own_egl_device(environ, gpus, expected):
+    from pixelsac.envs.dmc import egl_device_for_rank
+
+    assert egl_device_for_rank(environ, gpus) == expected
+
+
+def test_egl_device_is_set_before_dm_control_is_imported_and_the_renderer_is_said():
+    """In a fresh process as rank 1 of a 2-GPU machine: MUJOCO_EGL_DEVICE_ID is set before
+    dm_control is imported (dm_control reads it at import), and the first render names the GL
+    renderer on stderr, once."""
+    script = (
+        "import os, sys\n"
+        "import pixelsac.envs.dmc as dmc\n"
+        "dmc._nvidia_gpu_count = lambda: 2\n"
+        "real = dmc.select_egl_device\n"
+        "def select():\n"
+        "    print('DM_CONTROL_IMPORTED', 'dm_control' in sys.modules)\n"
+        "    print('SET', real())\n"
+        "    os.environ['MUJOCO_EGL_DEVICE_ID'] = '0'  # this machine has one (software) EGL device\n"
+        "dmc.select_egl_device = select\n"
+        "env = dmc.DMCEnv('cartpole_swingup', image_size=16)\n"
+        "env.reset()\n"
+        "env.reset()\n"
+        "env.close()\n"
+    )
+    environ = cli_env(MUJOCO_GL="egl", LOCAL_RANK="1")
+    environ.pop("PIXELSAC_GL_RENDERER_SAID", None)  # this process may have said it already
+    environ.pop("MUJOCO_EGL_DEVICE_ID", None)
+    environ.pop("CUDA_VISIBLE_DEVICES", None)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=environ, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "DM_CONTROL_IMPORTED False" in result.stdout
+    assert "SET 1" in result.stdout
+    said = [line for line in result.stderr.splitlines() if line.startswith("render:")]
+    assert len(said) == 1, result.stderr
+    assert "MUJOCO_GL=egl, EGL device 0 (local rank 1), GL renderer '" in said[0]

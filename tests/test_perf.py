@@ -324,7 +324,7 @@ class StopAt(L.Callback):
             raise RuntimeError("stopped for the test")
 
 
-def _fit_tracked(tmp_path, monkeypatch, *overrides, extra_callbacks=()):
+def _fit_tracked(tmp_path, monkeypatch, *overrides, extra_callbacks=(), tracker_state=None, save_to=None):
     clock = FakeClock()
     monkeypatch.setattr(perf.meters, "_now", clock)
     cfg = load_config(
@@ -334,6 +334,8 @@ def _fit_tracked(tmp_path, monkeypatch, *overrides, extra_callbacks=()):
     module = SACModule(to_plain(cfg), OBS_SHAPE, ACTION_DIM)
     collector = types.SimpleNamespace(env_frames=0, agent_steps=0)
     tracker = perf.PerfTracker(collector, tmp_path / "run", cfg)
+    if tracker_state is not None:
+        tracker.load_state_dict(tracker_state)
     logger = RecordingLogger()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -345,6 +347,8 @@ def _fit_tracked(tmp_path, monkeypatch, *overrides, extra_callbacks=()):
         callbacks=[tracker, *extra_callbacks],
     )
     trainer.fit(module, DataLoader(FakeStream(collector, clock, batches=5), batch_size=None))
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return tracker, logger, module
 
 
@@ -353,7 +357,8 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
     calibration = [m for _, m in logger.rows if "perf/fp32_ms_per_update" in m]
     intervals = [(step, m) for step, m in logger.rows if "perf/ms_per_update" in m]
     assert len(calibration) == 1 and calibration[0]["perf/fp32_ms_per_update"] > 0
-    assert [step for step, _ in intervals] == [16, 32]  # every 2 updates, step = env frames then
+    # every 2 updates, step = env frames then; the first interval is the warm-up cycle, untimed
+    assert [step for step, _ in intervals] == [32]
     named = {
         "perf/env_frames_per_s",
         "perf/updates_per_s",
@@ -388,11 +393,12 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
             row["perf/saved_for_backward_bytes"] / calibration[0]["perf/fp32_saved_for_backward_bytes"]
         )
         assert row["perf/saved_for_backward_vs_fp32"] <= 0.55  # fp16 saves half of fp32's bytes
-    assert module.updates == 5 and len(tracker._ms_all) == 4  # the first live update is warm-up
+    # perf.warmup_updates=1 rounds up to one whole cycle (a full and a critic-only update)
+    assert module.updates == 5 and len(tracker._ms_all) == 3
 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["updates"] == 5 and summary["env_frames"] == 40 and summary["timed_updates"] == 4
-    assert summary["ms_per_update"] == pytest.approx(sum(tracker._ms_all) / 4)
+    assert summary["updates"] == 5 and summary["env_frames"] == 40 and summary["timed_updates"] == 3
+    assert summary["ms_per_update"] == pytest.approx(sum(tracker._ms_all) / 3)
     assert summary["speedup_vs_fp32"] == pytest.approx(summary["fp32"]["ms_per_update"] / summary["ms_per_update"])
     assert summary["memory_vs_fp32"] == pytest.approx(
         summary["state_bytes"]["total"] / summary["fp32"]["state"]["total"]
@@ -447,3 +453,226 @@ def test_a_run_that_stops_early_still_writes_its_summary(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["updates"] == 3 and summary["stopped_by"] == "RuntimeError: stopped for the test"
     assert "stopped early" in (tmp_path / "run" / "summary.md").read_text()
+
+
+# --- honest figures: what is timed, in which proportions, against what ------------------------
+def test_update_cycles_and_the_updates_until_every_graph_is_captured():
+    from pixelsac.graphs import update_cycle, updates_to_capture
+
+    assert update_cycle(2, 2) == 2 and update_cycle(1, 1) == 1 and update_cycle(4, 3) == 12
+    # DrQ (actor and target every 2nd update), 3 eager warm-ups: each of the 2 kinds runs 3
+    # times eagerly and is captured at its 4th: 8 updates until every update is a replay
+    assert updates_to_capture(2, 2, 3) == 8
+    assert updates_to_capture(1, 1, 3) == 4  # one kind
+    assert updates_to_capture(4, 2, 1) == 7  # the full kind (updates 0, 4) and critic+target (2, 6)
+
+
+def _record_kinds(kinds):
+    def prepare(module):
+        real = module.update
+
+        def update(batch, with_actor, with_target, graph_safe=False):
+            kinds.append(with_actor)
+            return real(batch, with_actor, with_target, graph_safe)
+
+        module.update = update
+
+    return prepare
+
+
+def test_calibration_times_whole_cycles_in_the_runs_proportions():
+    """DrQ runs the actor every 2nd update, so a run alternates full and critic-only updates
+    1:1. Asked for 3 timed updates after 1 warm-up (the start-up default), the calibration times
+    2 full and 2 critic-only ones, starting at a full one, after a whole cycle of warm-up."""
+    kinds = []
+    timed = perf.time_updates(
+        to_plain(load_config([*TINY_AGENT, "precision=fp32"])),
+        OBS_SHAPE,
+        ACTION_DIM,
+        perf.synthetic_batch(4, OBS_SHAPE, ACTION_DIM),
+        torch.device("cpu"),
+        updates=3,
+        warmup=1,
+        prepare=_record_kinds(kinds),
+    )
+    timed_kinds = kinds[len(kinds) - len(timed.ms) :]
+    assert timed_kinds == [True, False, True, False]
+    assert timed.warmup == 2 and kinds == [True, False] * 3  # 2 warm-up + 4 timed updates
+
+
+class ReplayByCalling:
+    """Stand-in for the GPU's GraphRunner: capture keeps the function, replay calls it."""
+
+    def eager(self, fn):
+        return fn()
+
+    def capture(self, fn):
+        return fn
+
+    def replay(self, graph):
+        graph()
+
+
+def test_graph_warmups_and_captures_are_not_timed():
+    """With perf.cuda_graphs a kind of update runs eagerly, is captured, then replays: only the
+    replays are what the run costs from then on, so only they are timed."""
+    from pixelsac.graphs import UpdateGraphs
+
+    cfg = load_config([*TINY_AGENT, "precision=fp32", "perf.sync_free=true", "perf.aug_backend=index"])
+    torch.manual_seed(0)
+    module = SACModule(to_plain(cfg), OBS_SHAPE, ACTION_DIM)
+    module.update_graphs = UpdateGraphs(module, warmup_updates=2, runner=ReplayByCalling())
+    timer = perf.UpdateTimer()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
+    batch = perf.synthetic_batch(4, OBS_SHAPE, ACTION_DIM)
+    trainer.fit(module, DataLoader([batch] * 10, batch_size=None))
+    # 2 kinds x (2 eager warm-ups + 1 capture) = 6 untimed; the 4 replays are timed
+    assert module.updates == 10 and len(timer.clock.drain()) == 4
+    assert timer.graph_setup_updates == 6
+
+
+def test_calibration_frees_its_agent_so_the_next_cell_starts_clean():
+    """The Trainer and the module hold each other in reference cycles: time_updates collects
+    them, or the next calibration or benchmark cell measures on top of this one's memory."""
+    import weakref
+
+    refs = []
+    perf.time_updates(
+        to_plain(load_config([*TINY_AGENT, "precision=fp16"])),
+        OBS_SHAPE,
+        ACTION_DIM,
+        perf.synthetic_batch(4, OBS_SHAPE, ACTION_DIM),
+        torch.device("cpu"),
+        updates=2,
+        warmup=0,
+        prepare=lambda module: refs.append(weakref.ref(module)),
+    )
+    assert refs and refs[0]() is None
+
+
+def _reference(**overrides):
+    values = dict(
+        ms_per_update=30.0,
+        ms_std=1.0,
+        updates=4,
+        warmup=2,
+        state={"parameters": 400, "optimizer": 800, "target": 400, "total": 1600},
+        peak_bytes=8000,
+        seconds=1.0,
+    )
+    return perf.Fp32Reference(**{**values, **overrides})
+
+
+def _summary(fp32, **overrides):
+    values = dict(
+        precision="fp16",
+        device="cuda:0",
+        batch_size=512,
+        env_frames=1000,
+        agent_steps=250,
+        updates=200,
+        wall_s=4.0,
+        ms=[10.0, 14.0],
+        peak_bytes=5000,
+        peak_kind="cuda_max_allocated",
+        state={"parameters": 200, "optimizer": 500, "target": 300, "total": 1000},
+        loss_scales={},
+        skipped={},
+        best_eval_return=None,
+        fp32=fp32,
+    )
+    return perf.build_summary(**{**values, **overrides})
+
+
+def test_peak_ratio_divides_the_agents_bytes_by_the_agents_bytes():
+    """The fp32 copy's peak is counted above what was allocated before it was built; the run's
+    peak also holds a replay buffer kept on the GPU, which the fp32 copy never has: it is left
+    out by name before dividing."""
+    summary = _summary(_reference(peak_bytes=8000), peak_bytes=5000 + 3000, replay_device_bytes=3000)
+    assert summary["peak_memory_vs_fp32"] == pytest.approx(5000 / 8000)
+    assert summary["peak_memory_bytes"] == 8000 and summary["replay_device_bytes"] == 3000
+
+
+def test_the_speed_up_says_what_it_rests_on():
+    summary = _summary(_reference())
+    assert summary["speedup_vs_fp32"] == pytest.approx(2.5) and summary["speedup_reliable"] is True
+    assert summary["speedup_basis"] == "fp32 start-up estimate over 4 updates (after 2 warm-up)"
+    assert "2.50x speed-up vs fp32 30.00: fp32 start-up estimate over 4 updates" in perf.format_summary(summary)
+
+    busy = _summary(_reference(host_busy=True, host_load="other processes used 1.7 of 2 cores"))
+    assert busy["speedup_reliable"] is False
+    assert "unreliable: the host was busy (other processes used 1.7 of 2 cores)" in perf.format_summary(busy)
+
+    shared = _summary(_reference(), shared_device=True)
+    assert shared["speedup_vs_fp32"] is None and "shared with other runs" in perf.format_summary(shared)
+
+
+def test_host_load_meter_counts_other_processes_cpu_time(monkeypatch):
+    busy = iter([100.0, 103.5])  # the machine's busy CPU seconds before and after
+    own = iter([10.0, 11.0])  # this process's
+    wall = iter([0.0, 2.0])
+    monkeypatch.setattr(perf.meters, "_system_busy_seconds", lambda: next(busy))
+    monkeypatch.setattr(perf.meters, "_own_cpu_seconds", lambda: next(own))
+    monkeypatch.setattr(perf.meters.time, "monotonic", lambda: next(wall))
+    with perf.meters.HostLoadMeter() as meter:
+        pass
+    assert meter.result.other_cores == pytest.approx((3.5 - 1.0) / 2.0) and meter.result.busy
+    quiet = iter([100.0, 101.1])
+    own, wall = iter([10.0, 11.0]), iter([0.0, 2.0])
+    monkeypatch.setattr(perf.meters, "_system_busy_seconds", lambda: next(quiet))
+    with perf.meters.HostLoadMeter() as meter:
+        pass
+    assert meter.result.other_cores == pytest.approx(0.05) and not meter.result.busy
+
+
+def test_an_fp32_run_reports_no_speed_up(tmp_path, monkeypatch, capsys):
+    """An fp32 run is its own reference: timing a copy of it would print a 'speed-up' of noise."""
+    monkeypatch.setattr(perf.tracker, "time_updates", _must_not_time)
+    _, logger, _ = _fit_tracked(tmp_path, monkeypatch, "precision=fp32")
+    logged = set().union(*(m for _, m in logger.rows))
+    assert not {k for k in logged if "fp32" in k}
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["speedup_vs_fp32"] is None and summary["fp32"] is None
+    assert summary["speedup_basis"] == "none: this run is fp32, the reference itself"
+    markdown = (tmp_path / "run" / "summary.md").read_text()
+    assert "speed-up" not in markdown.replace("no speed-up figure", "")
+    assert "no fp32 calibration" in capsys.readouterr().out
+
+
+def _must_not_time(*args, **kwargs):
+    raise AssertionError("the fp32 reference was timed")
+
+
+def test_a_busy_host_marks_the_estimate_unreliable(tmp_path, monkeypatch):
+    monkeypatch.setattr(perf.meters, "BUSY_OTHER_CORES", 0.0)  # any other process counts as busy
+    _fit_tracked(tmp_path, monkeypatch, "precision=fp16")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["speedup_reliable"] is False and summary["fp32"]["host_busy"] is True
+    assert "fp32 start-up estimate over 2 updates" in summary["speedup_basis"]
+    assert "unreliable: the host was busy" in (tmp_path / "run" / "summary.md").read_text()
+
+
+def test_resuming_reuses_the_saved_fp32_reference(tmp_path, monkeypatch, capsys):
+    """The reference is saved in the checkpoint (safe to load: plain data) and a resumed run
+    reuses it rather than timing a few start-up updates again."""
+    from pixelsac.checkpoint import callback_state
+
+    first, _, _ = _fit_tracked(tmp_path / "a", monkeypatch, "precision=fp16", save_to=tmp_path / "last.ckpt")
+    saved = callback_state(torch.load(tmp_path / "last.ckpt", weights_only=True), "PerfTracker")
+    assert saved["fp32"]["ms_per_update"] == first.fp32.ms_per_update
+    capsys.readouterr()
+    monkeypatch.setattr(perf.tracker, "time_updates", _must_not_time)
+    resumed, logger, _ = _fit_tracked(tmp_path / "b", monkeypatch, "precision=fp16", tracker_state=saved)
+    assert resumed.fp32 == first.fp32
+    assert "fp32 reference from the checkpoint, not timed again" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "b" / "run" / "summary.json").read_text())
+    assert summary["speedup_basis"].endswith("saved in the checkpoint, not timed again")
+    assert summary["fp32"]["ms_per_update"] == first.fp32.ms_per_update

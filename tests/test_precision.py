@@ -238,3 +238,19 @@ def test_tf32_only_when_asked_for_and_owned_by_the_policy():
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[1:]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "amp"])
+def test_half_matmuls_reduce_in_fp32(precision):
+    """cuBLAS may split fp16/bf16 matmul reductions in reduced precision unless told not to; the
+    half-precision numerics were validated with fp32 accumulation, so the policy turns it off."""
+    matmul = torch.backends.cuda.matmul
+    before = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+    try:
+        matmul.allow_fp16_reduced_precision_reduction = True
+        matmul.allow_bf16_reduced_precision_reduction = True
+        PrecisionPolicy.from_config(load_config([f"precision={precision}"]), "cuda").apply_global_numerics()
+        assert not matmul.allow_fp16_reduced_precision_reduction
+        assert not matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = before

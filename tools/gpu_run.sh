@@ -1,211 +1,277 @@
 #!/usr/bin/env bash
-# One shot on a GPU machine without network: what half precision buys there.
+# What half precision buys on a GPU, measured in a few minutes of one, without network.
 #
 #   tools/gpu_run.sh OUT_DIR          # or: OUT=OUT_DIR tools/gpu_run.sh
+#   tools/gpu_run.sh --plan           # the time budget of the parts below; exit 1 if it does not fit
 #
 # Run from anywhere; it works in the repository that holds this script. Missing packages come
-# from wheels in .whl/ (built with ../shared/tools/gpu-wheelhouse.sh), installed with
-# `pip install --no-index --no-deps --target /tmp/site`; torch and lightning are the machine's.
-# If .gl/*.deb exist (EGL loaders, see the device notes) they are unpacked first.
+# from wheels in .whl/, built beforehand on a machine with network by
+# `python tools/gpu_wheels.py --python-version 3.12` (the GPU machine's Python) and installed
+# here into /tmp/site (only those the machine lacks: its torch and lightning stay). If .gl/*.deb
+# exist (EGL loaders) they are unpacked first.
 #
-# Parts, each under its own `timeout` (a part that fails or runs out of time is reported and the
-# next one runs); see the knobs below for the limits:
-#   1 bench512   python -m pixelsac.bench at batch 512: fp32 tf32 amp bf16 fp16-naive fp16   (T_B512 s)
-#   2 bench128   the same modes at batch 128                                                  (T_B128 s)
-#   3 ablations  fp16 minus each of the six switches, batch 512                               (T_ABL s)
-#   4 layout     fp32 and fp16 with channels_last off/on, batch 512                           (T_CL s)
-#   5 syncfree   fp32 and fp16: host decisions, sync-free, sync-free + CUDA graphs, batch 512 (T_SF s)
-#   6 batchsrc   fp16 with the batch in pageable / pinned host memory / on the GPU, batch 512 (T_SRC s)
-#   7 learning   cartpole_swingup, fp16 + six vs fp32, two runs side by side, LEARN_FRAMES    (T_LEARN s)
-#   8 fast       one fp16 run with CUDA graphs and GPU-resident replay: end-to-end frames/s  (T_FAST s)
-#   9 compile    fp32 and fp16 with torch.compile on, batch 512 (last: compiling can be slow) (T_COMPILE s)
+# Parts, in this order, each under `timeout -k GRACE LIMIT` (one that fails or runs out of time
+# is reported and the next one runs):
+#   gpu_tests  pytest -m gpu -x, the CUDA-graph check first: graphs are timed below only when
+#              they were shown equal to eager updates here                             (T_TESTS s)
+#   bench512   python -m pixelsac.bench at batch 512: fp32 fp16 tf32 amp bf16 fp16-naive (T_B512)
+#   bench128   the same modes at batch 128                                               (T_B128)
+#   syncfree   fp32 and fp16: host decisions, sync-free (+ CUDA graphs), batch 512       (T_SF)
+#   ablations  fp16 minus each of the six switches, batch 512                            (T_ABL)
+#   layout     fp32 and fp16 with channels_last off/on, batch 512                        (T_CL)
+#   batchsrc   fp16 with the batch in pageable / pinned host memory / on the GPU        (T_SRC)
+#   learning   cartpole_swingup, fp16 + six and fp32 side by side (they share the GPU: no
+#              speed-up figures, perf.shared_device=true)                              (T_LEARN)
+#   fast       one fp16 run alone: CUDA graphs (if checked), GPU-resident replay, 10% seed steps
+#                                                                                       (T_FAST)
+#   compile    fp32 and fp16 with torch.compile, batch 512 (off unless COMPILE=1)    (T_COMPILE)
+# fp32 and fp16 come first in every part, so a part cut short still has the headline rows.
 #
-# OUT_DIR receives few files (the device tool returns at most 8): report.md (every table),
-# results.tar.gz (the whole tree: CSV, JSON, markdown, PNG, logs, run directories), bench512.png,
-# bench128.png, learning.png and gpu_run.log. The tree itself is built in $WORK (default: a
-# fresh folder under /tmp).
+# Time: the set-up (EGL loaders T_GL, wheels T_WHEELS, import check T_CHECK, nvidia-smi T_SMI), every part and every report step
+# (report.md and the archive: REPORT_S) runs under a limit, and a part starts only if the time elapsed plus its limit, its
+# kill-after GRACE, one report step and the final step (FINAL_S) stay within TOTAL (default 420 s),
+# otherwise it is skipped and the report says so. So the script ends within TOTAL seconds (plus
+# bash's own milliseconds), and with the defaults every part fits: see --plan.
 #
-# Knobs (environment): N512=200 N128=100 N_ABL=50 N_CL=100 N_SF=100 N_COMPILE=100 WARMUP=20
-#   LEARN_FRAMES=20000 LEARN_TASK=cartpole_swingup FAST_FRAMES=10000 COMPILE=1 (0 skips part 9)
-#   T_B512=90 T_B128=40 T_ABL=50 T_CL=30 T_SF=60 T_SRC=30 T_LEARN=120 T_FAST=60 T_COMPILE=60
-#   PYTHON=python3
-#   DEVICE=cuda, BENCH_ARGS and LEARN_ARGS (extra key=value overrides) -- for a CPU smoke test:
-#   DEVICE=cpu BENCH_ARGS='env.image_size=24 agent.num_filters=4 bench.isolate=false' \
-#     LEARN_ARGS='preset=tiny' N512=1 N128=1 N_ABL=1 N_CL=1 N_SF=1 WARMUP=0 COMPILE=0 FAST_FRAMES=0 \
+# OUT_DIR receives few files: report.md (rewritten after every part, so a run cut at any moment
+# keeps every finished part), results.tar.gz (tables, logs and charts of the whole tree, at most
+# ARCHIVE_MB, no checkpoints or *.tmp; rewritten after every part too), bench512.png,
+# bench128.png, learning.png and gpu_run.log. The tree is built in $WORK (default: a fresh
+# folder under /tmp).
+#
+# Knobs (environment): TOTAL=420 GRACE=5 REPORT_S=4 FINAL_S=10 ARCHIVE_MB=20
+#   T_GL=10 T_WHEELS=25 T_CHECK=20 T_SMI=5 T_TESTS=60 T_B512=40 T_B128=20 T_SF=30 T_ABL=20 T_CL=12
+#   T_SRC=12 T_LEARN=35 T_FAST=25 T_COMPILE=40 COMPILE=0
+#   N512=60 N128=60 N_ABL=20 N_CL=40 N_SF=40 N_COMPILE=40 WARMUP=10
+#   LEARN_FRAMES=10000 LEARN_TASK=cartpole_swingup FAST_FRAMES=6000 (0 skips it)
+#   PYTHON=python3 DEVICE=cuda, BENCH_ARGS and LEARN_ARGS (extra key=value overrides),
+#   GPU_TESTS=1 (0 skips part gpu_tests). A CPU smoke run (the tests do this):
+#   DEVICE=cpu GPU_TESTS=0 BENCH_ARGS='env.image_size=24 agent.num_filters=4 bench.isolate=false' \
+#     LEARN_ARGS='preset=tiny' N512=1 N128=1 N_ABL=1 N_CL=1 N_SF=1 WARMUP=0 FAST_FRAMES=0 \
 #     tools/gpu_run.sh /tmp/smoke
-# The limits add up to 540 s; with start-up and wheels the worst case is about 9.5 minutes.
 set -uo pipefail
+
+TOTAL=${TOTAL:-420}; GRACE=${GRACE:-5}; REPORT_S=${REPORT_S:-4}; FINAL_S=${FINAL_S:-10}
+ARCHIVE_MB=${ARCHIVE_MB:-20}
+T_WHEELS=${T_WHEELS:-25}; T_CHECK=${T_CHECK:-20}; T_GL=${T_GL:-10}; T_SMI=${T_SMI:-5}; T_TESTS=${T_TESTS:-60}
+T_B512=${T_B512:-40}; T_B128=${T_B128:-20}; T_SF=${T_SF:-30}; T_ABL=${T_ABL:-20}; T_CL=${T_CL:-12}
+T_SRC=${T_SRC:-12}; T_LEARN=${T_LEARN:-35}; T_FAST=${T_FAST:-25}; T_COMPILE=${T_COMPILE:-40}
+COMPILE=${COMPILE:-0}; GPU_TESTS=${GPU_TESTS:-1}
+N512=${N512:-60}; N128=${N128:-60}; N_ABL=${N_ABL:-20}; N_CL=${N_CL:-40}; N_SF=${N_SF:-40}
+N_COMPILE=${N_COMPILE:-40}; WARMUP=${WARMUP:-10}
+LEARN_FRAMES=${LEARN_FRAMES:-10000}; LEARN_TASK=${LEARN_TASK:-cartpole_swingup}
+FAST_FRAMES=${FAST_FRAMES:-6000}
+PY=${PYTHON:-python3}; DEVICE=${DEVICE:-cuda}; BENCH_ARGS=${BENCH_ARGS:-}; LEARN_ARGS=${LEARN_ARGS:-}
+MODES=fp32,fp16,tf32,amp,bf16,fp16-naive
+
+# name:limit of every part that this configuration runs, in order
+PARTS=()
+[[ "$GPU_TESTS" != 0 ]] && PARTS+=("gpu_tests:$T_TESTS")
+PARTS+=("bench512:$T_B512" "bench128:$T_B128" "syncfree:$T_SF" "ablations:$T_ABL" "layout:$T_CL"
+        "batchsrc:$T_SRC" "learning:$T_LEARN")
+[[ "$FAST_FRAMES" != 0 ]] && PARTS+=("fast:$T_FAST")
+[[ "$COMPILE" != 0 ]] && PARTS+=("compile:$T_COMPILE")
+
+plan() {  # the worst case, step by step; exit status 1 when it does not fit TOTAL
+  local setup=$(( T_GL + T_WHEELS + GRACE + T_CHECK + GRACE + T_SMI + REPORT_S )) sum=0 entry name limit
+  echo "Time budget (seconds; every step under a limit, each kill-after grace $GRACE s counted):"
+  echo "- set-up: EGL loaders $T_GL, wheels $T_WHEELS + $GRACE, import check $T_CHECK + $GRACE, nvidia-smi $T_SMI," \
+    "first report $REPORT_S = $setup"
+  for entry in "${PARTS[@]}"; do
+    name=${entry%%:*}; limit=${entry##*:}
+    echo "- $name: $limit + $GRACE + report $REPORT_S = $(( limit + GRACE + REPORT_S ))"
+    sum=$(( sum + limit + GRACE + REPORT_S ))
+  done
+  echo "- final report, charts and archive: $FINAL_S"
+  local worst=$(( setup + sum + FINAL_S ))
+  if (( worst <= TOTAL )); then
+    echo "worst case $worst s of TOTAL=$TOTAL s: every part fits"
+  else
+    echo "worst case $worst s of TOTAL=$TOTAL s: does not fit; the last parts are skipped when time runs out"
+    return 1
+  fi
+}
+
+if [[ "${1:-}" == "--plan" ]]; then
+  plan
+  exit $?
+fi
 
 OUT=${1:-${OUT:-}}
 if [[ -z "$OUT" ]]; then
-  echo "usage: tools/gpu_run.sh OUT_DIR   (or set OUT)" >&2
+  echo "usage: tools/gpu_run.sh OUT_DIR   (or set OUT; --plan prints the time budget)" >&2
   exit 2
 fi
+started=$SECONDS
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=${WORK:-$(mktemp -d /tmp/pixelsac_gpu_run.XXXXXX)}
 mkdir -p "$WORK"
-PY=${PYTHON:-python3}
-N512=${N512:-200}; N128=${N128:-100}; N_ABL=${N_ABL:-50}; N_CL=${N_CL:-100}; N_SF=${N_SF:-100}
-N_COMPILE=${N_COMPILE:-100}; WARMUP=${WARMUP:-20}
-LEARN_FRAMES=${LEARN_FRAMES:-20000}; LEARN_TASK=${LEARN_TASK:-cartpole_swingup}; COMPILE=${COMPILE:-1}
-FAST_FRAMES=${FAST_FRAMES:-10000}
-T_B512=${T_B512:-90}; T_B128=${T_B128:-40}; T_ABL=${T_ABL:-50}; T_CL=${T_CL:-30}; T_SF=${T_SF:-60}
-T_SRC=${T_SRC:-30}; T_LEARN=${T_LEARN:-120}; T_FAST=${T_FAST:-60}; T_COMPILE=${T_COMPILE:-60}
+WORK=$(cd "$WORK" && pwd)
 LOG="$WORK/gpu_run.log"
-MODES=fp32,tf32,amp,bf16,fp16-naive,fp16
-DEVICE=${DEVICE:-cuda}; BENCH_ARGS=${BENCH_ARGS:-}; LEARN_ARGS=${LEARN_ARGS:-}
+: > "$WORK/status.tsv"
 
 cd "$REPO"
 exec > >(tee -a "$LOG") 2>&1
-started=$(date +%s)
-say() { echo "[gpu_run +$(( $(date +%s) - started ))s] $*"; }
+elapsed() { echo $(( SECONDS - started )); }
+say() { echo "[gpu_run +$(elapsed)s] $*"; }
 
-# --- environment: wheels, EGL, paths ---------------------------------------------------------
+write_report() {  # report.md and results.tar.gz in OUT, now (bounded: REPORT_S, or FINAL_S with --final)
+  local limit=$REPORT_S
+  [[ "${1:-}" == --final ]] && limit=$FINAL_S
+  timeout -k 1 "$(( limit > 1 ? limit - 1 : 1 ))" "$PY" tools/gpu_report.py report "$WORK" "$OUT" \
+    --archive-mb "$ARCHIVE_MB" "$@" || say "warning: the report step failed or ran out of time"
+  cp "$LOG" "$OUT/gpu_run.log" 2>/dev/null || true
+}
+
+plan > "$WORK/plan.txt"
+cat "$WORK/plan.txt"
+
+# --- set-up: EGL loaders, wheels, paths --------------------------------------------------------
 if compgen -G ".gl/*.deb" > /dev/null; then
   say "unpacking EGL loaders from .gl/"
-  for f in .gl/*.deb; do dpkg -x "$f" /; done
-  ldconfig || true
+  timeout -k 1 "$(( T_GL - 1 ))" bash -c 'for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig' \
+    || say "warning: unpacking .gl/ failed"
 fi
 for f in /usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json; do
   [[ -f "$f" ]] && export __EGL_VENDOR_LIBRARY_FILENAMES="$f"
 done
 if compgen -G ".whl/*.whl" > /dev/null; then
-  say "installing $(ls .whl/*.whl | wc -l) wheels from .whl/ into /tmp/site"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || say "warning: wheel install failed"
+  timeout -k "$GRACE" "$T_WHEELS" "$PY" tools/gpu_wheels.py --install .whl --target /tmp/site \
+    || say "warning: installing the wheels failed"
   export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export MUJOCO_GL=egl
-export PYTHONUNBUFFERED=1
-"$PY" - <<'EOF' || { say "error: the packages pixelsac needs are not importable (build .whl/ with gpu-wheelhouse.sh)"; exit 2; }
+export MUJOCO_GL=egl PYTHONUNBUFFERED=1
+timeout -k "$GRACE" "$T_CHECK" "$PY" - "$DEVICE" > "$WORK/device.txt" <<'EOF'
+import sys
 import torch, lightning, kornia, omegaconf, dm_control  # noqa: F401
-print(f"python ok: torch {torch.__version__}, lightning {lightning.__version__}, "
-      f"cuda {torch.cuda.is_available()} {torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}")
-EOF
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader || true
 
-status=()
-part() {  # part NAME SECONDS command...
-  local name=$1 limit=$2; shift 2
+line = f"- python {sys.version.split()[0]}, torch {torch.__version__}, lightning {lightning.__version__}"
+if sys.argv[1] == "cuda":
+    if not torch.cuda.is_available():
+        sys.exit("error: DEVICE=cuda but torch sees no CUDA device")
+    props = torch.cuda.get_device_properties(0)
+    line += f", {props.name} ({props.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
+print(line)
+EOF
+rc=$?
+cat "$WORK/device.txt"
+if (( rc != 0 )); then
+  why=$([[ $rc == 124 || $rc == 137 ]] && echo "timed out" || echo "failed")
+  printf 'set-up\t%s\t%s\t\t%s\timporting torch, lightning, kornia, omegaconf, dm_control: see gpu_run.log\n' \
+    "$why" "$rc" "$T_CHECK" >> "$WORK/status.tsv"
+  say "error: the packages pixelsac needs are not importable here (build .whl/ with tools/gpu_wheels.py)"
+  write_report --final
+  exit 2
+fi
+timeout -k 1 "$(( T_SMI - 1 ))" nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm \
+  --format=csv,noheader >> "$WORK/device.txt" 2>/dev/null || true
+write_report
+
+# --- parts ----------------------------------------------------------------------------------------
+limit_of() { local entry; for entry in "${PARTS[@]}"; do [[ ${entry%%:*} == "$1" ]] && echo "${entry##*:}"; done; }
+
+part() {  # part NAME command...: runs it if it fits the budget, records how it ended, rewrites the report
+  local name=$1 limit; shift
+  limit=$(limit_of "$name")
+  local need=$(( limit + GRACE + REPORT_S + FINAL_S ))
+  if (( $(elapsed) + need > TOTAL )); then
+    printf '%s\tskipped\t\t\t%s\tnot started: %s s elapsed + %s s needed > TOTAL %s s\n' \
+      "$name" "$limit" "$(elapsed)" "$need" "$TOTAL" >> "$WORK/status.tsv"
+    say "part $name skipped: $(elapsed) s elapsed + $need s needed > TOTAL $TOTAL s"
+    return 0
+  fi
   say "part $name (limit ${limit}s): $*"
-  local t0=$(date +%s)
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local t0=$SECONDS state
+  # timeout runs the part in a process group of its own: its id is kept in part.pgid, so whoever
+  # ends this script early can end the part too (kill -- -$(cat WORK/part.pgid))
+  timeout -k "$GRACE" "$limit" "$@" > "$WORK/$name.log" 2>&1 &
+  local pgid=$!
+  echo "$pgid" > "$WORK/part.pgid"
+  wait "$pgid"
   local rc=$?
-  local took=$(( $(date +%s) - t0 ))
-  if [[ $rc -eq 0 ]]; then status+=("$name: ok in ${took}s")
-  elif [[ $rc -eq 124 || $rc -eq 137 ]]; then status+=("$name: TIMED OUT after ${limit}s (partial results kept)")
-  else status+=("$name: failed (exit $rc) after ${took}s, see $name.log"); fi
-  say "${status[-1]}"
+  rm -f "$WORK/part.pgid"
+  if (( rc == 0 )); then state=ok
+  elif (( rc == 124 || rc == 137 )); then state="timed out"
+  elif (( rc > 128 )); then state="killed (signal $(( rc - 128 )))"
+  else state=crashed; fi
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$state" "$rc" "$(( SECONDS - t0 ))" "$limit" \
+    "$(tail -n 1 "$WORK/$name.log" | tr '\t|' '  ' | cut -c1-160)" >> "$WORK/status.tsv"
+  say "part $name: $state (exit $rc) after $(( SECONDS - t0 ))s"
   tail -n 3 "$WORK/$name.log" | sed 's/^/    /'
+  write_report
 }
 
-bench() {  # bench NAME SECONDS overrides...
-  local name=$1 limit=$2; shift 2
+bench() {  # bench NAME overrides...
+  local name=$1; shift
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of key=value words
-  part "$name" "$limit" "$PY" -m pixelsac.bench bench.device="$DEVICE" bench.warmup="$WARMUP" \
+  part "$name" "$PY" -m pixelsac.bench bench.device="$DEVICE" bench.warmup="$WARMUP" \
     bench.out="$WORK/$name" bench.overwrite=true $BENCH_ARGS "$@"
 }
 
-# --- 1-4: the benchmark ----------------------------------------------------------------------
-bench bench512 "$T_B512" bench.batch_sizes=512 bench.modes=$MODES bench.updates="$N512"
-bench bench128 "$T_B128" bench.batch_sizes=128 bench.modes=$MODES bench.updates="$N128"
-bench ablations "$T_ABL" bench.batch_sizes=512 bench.modes=fp16 bench.ablations=true bench.updates="$N_ABL"
-bench layout "$T_CL" bench.batch_sizes=512 bench.modes=fp32,fp16 bench.channels_last=both bench.updates="$N_CL"
-bench syncfree "$T_SF" bench.batch_sizes=512 bench.modes=fp32,fp16 bench.sync_free=both bench.cuda_graphs=both \
-  bench.updates="$N_SF"
-bench batchsrc "$T_SRC" bench.batch_sizes=512 bench.modes=fp16 bench.batch=all bench.updates="$N_SF"
-
-# --- 5: a short learning comparison, fp16 + six vs fp32, side by side on the one GPU ----------
-learn_run() {  # learn_run PRECISION
-  "$PY" -m pixelsac.train task="$LEARN_TASK" precision="$1" seed=1 train.env_frames="$LEARN_FRAMES" \
-    train.eval_every_frames=5000 train.eval_episodes=5 train.video_every_evals=0 train.num_threads=4 \
-    trainer.enable_progress_bar=false run_dir="$WORK/learn_$1" overwrite=true $LEARN_ARGS
+train_run() {  # train_run NAME PRECISION overrides...: a training run whose exit code is kept in NAME.rc
+  local name=$1 precision=$2 pid rc; shift 2
+  # shellcheck disable=SC2086  # LEARN_ARGS is a list of key=value words
+  "$PY" -m pixelsac.train task="$LEARN_TASK" precision="$precision" seed=1 train.video_every_evals=0 \
+    trainer.enable_progress_bar=false stop.max_wait_steps=0 stop.max_wait_seconds=2 \
+    run_dir="$WORK/$name" overwrite=true "$@" $LEARN_ARGS > "$WORK/$name.log" 2>&1 &
+  pid=$!
+  # told to stop (the part's time is up): pass it on and still wait, so the exit code is kept
+  trap 'kill -TERM "$pid" 2>/dev/null' TERM
+  while true; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done
+  echo "$rc" > "$WORK/$name.rc"
+  return "$rc"
 }
-export -f learn_run
-export PY LEARN_TASK LEARN_FRAMES WORK LEARN_ARGS
-part learning "$T_LEARN" bash -c 'learn_run fp16 > "$WORK/learn_fp16.log" 2>&1 & p16=$!
-                                  learn_run fp32 > "$WORK/learn_fp32.log" 2>&1 & p32=$!
-                                  trap "kill $p16 $p32 2>/dev/null" TERM
-                                  wait $p16; r16=$?; wait $p32; r32=$?
-                                  echo "fp16 exit $r16, fp32 exit $r32"; exit $(( r16 | r32 ))'
 
-# --- 8: end to end with every switch on: CUDA graphs, GPU-resident replay (one run alone) ------
+learning_runs() {  # learning_runs FRAMES: fp16 and fp32 side by side, sharing the device
+  local common=("train.env_frames=$1" train.eval_every_frames=5000 train.eval_episodes=2 perf.shared_device=true)
+  local p16 p32 r16 r32
+  train_run learn_fp16 fp16 "${common[@]}" & p16=$!
+  train_run learn_fp32 fp32 "${common[@]}" & p32=$!
+  trap 'kill -TERM "$p16" "$p32" 2>/dev/null' TERM
+  while true; do wait "$p16"; r16=$?; kill -0 "$p16" 2>/dev/null || break; done
+  while true; do wait "$p32"; r32=$?; kill -0 "$p32" 2>/dev/null || break; done
+  echo "fp16 exit $r16, fp32 exit $r32"
+  return $(( r16 | r32 ))
+}
+export -f train_run learning_runs
+export PY LEARN_TASK WORK LEARN_ARGS
+
+GRAPHS=off
+if [[ "$GPU_TESTS" != 0 ]]; then
+  part gpu_tests "$PY" -m pytest -m gpu -x -q -p no:cacheprovider --continue-on-collection-errors \
+    --junitxml="$WORK/gpu_tests.xml" tests/test_graphs.py tests
+  if "$PY" tools/gpu_report.py graphs-ok "$WORK"; then GRAPHS=both; fi
+fi
+[[ "$DEVICE" == cuda && "$GRAPHS" == off ]] && say "CUDA graphs are not timed: the GPU tests did not show them equal to eager updates"
+
+bench bench512 bench.batch_sizes=512 bench.modes=$MODES bench.updates="$N512"
+bench bench128 bench.batch_sizes=128 bench.modes=$MODES bench.updates="$N128"
+bench syncfree bench.batch_sizes=512 bench.modes=fp32,fp16 bench.sync_free=both bench.cuda_graphs=$GRAPHS \
+  bench.updates="$N_SF"
+bench ablations bench.batch_sizes=512 bench.modes=fp16 bench.ablations=true bench.updates="$N_ABL"
+bench layout bench.batch_sizes=512 bench.modes=fp32,fp16 bench.channels_last=both bench.updates="$N_CL"
+bench batchsrc bench.batch_sizes=512 bench.modes=fp16 bench.batch=all bench.updates="$N_SF"
+
+# side by side on one device: each run's speed says nothing alone (perf.shared_device=true)
+part learning bash -c 'learning_runs "$1"' learning "$LEARN_FRAMES"
+
 if [[ "$FAST_FRAMES" != 0 ]]; then
-  part fast "$T_FAST" "$PY" -m pixelsac.train task="$LEARN_TASK" precision=fp16 seed=1 \
-    train.env_frames="$FAST_FRAMES" train.eval_every_frames="$FAST_FRAMES" train.eval_episodes=2 \
-    train.video_every_evals=0 train.num_threads=4 perf.cuda_graphs=true replay.device=auto \
-    trainer.enable_progress_bar=false run_dir="$WORK/fast_fp16" overwrite=true $LEARN_ARGS
+  # seed steps (random actions, no updates) a tenth of the agent steps (cartpole repeats each
+  # action 8 times), so the figure is about updates: the default would be 80% of this budget
+  seed_steps=$(( FAST_FRAMES / 8 / 10 ))
+  fast_graphs=$([[ "$GRAPHS" == both ]] && echo true || echo false)
+  part fast bash -c "train_run fast_fp16 fp16 train.env_frames=$FAST_FRAMES train.seed_steps=$seed_steps \
+    train.eval_every_frames=$FAST_FRAMES train.eval_episodes=2 perf.cuda_graphs=$fast_graphs replay.device=auto"
 fi
 
-# --- 9: torch.compile (may be slow to compile; last so a timeout costs nothing else) ----------
 if [[ "$COMPILE" != 0 ]]; then
-  bench compile "$T_COMPILE" bench.batch_sizes=512 bench.modes=fp32,fp16 bench.compile=on bench.updates="$N_COMPILE"
+  bench compile bench.batch_sizes=512 bench.modes=fp32,fp16 bench.compile=on bench.updates="$N_COMPILE"
 fi
 
-# --- the report ------------------------------------------------------------------------------
-say "writing the report"
-"$PY" - "$WORK" "$OUT" "${status[@]}" <<'EOF' || say "warning: report step failed"
-import csv, json, math, shutil, sys
-from pathlib import Path
-
-work, out, statuses = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
-lines = ["# pixelsac on a GPU: what half precision buys", "", "Parts:", *(f"- {s}" for s in statuses), ""]
-for name in ("bench512", "bench128", "ablations", "layout", "syncfree", "batchsrc", "compile"):
-    md = work / name / "bench.md"
-    if md.is_file():
-        lines += [f"## {name}", "", md.read_text().replace("# pixelsac update-step benchmark", "").strip(), ""]
-    png = work / name / "bench.png"
-    if png.is_file() and name in ("bench512", "bench128"):
-        shutil.copy(png, out / f"{name}.png")
-
-def eval_curve(run: Path) -> list[tuple[int, float]]:
-    path = run / "metrics.csv"
-    if not path.is_file():
-        return []
-    rows = list(csv.DictReader(path.open()))
-    return [(int(float(r["env_frames"] or r["step"])), float(r["eval/return"]))
-            for r in rows if r.get("eval/return") not in (None, "")]
-
-curves = {p: eval_curve(work / f"learn_{p}") for p in ("fp16", "fp32")}
-lines += ["## learning: fp16 + six vs fp32", ""]
-if any(curves.values()):
-    frames = sorted({f for c in curves.values() for f, _ in c})
-    lines += ["| env frames | fp16 + six | fp32 |", "|---|---|---|"]
-    for f in frames:
-        cell = lambda p: next((f"{r:.1f}" for g, r in curves[p] if g == f), "")
-        lines.append(f"| {f:,} | {cell('fp16')} | {cell('fp32')} |")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for p, c in curves.items():
-            if c:
-                ax.plot([f for f, _ in c], [r for _, r in c], marker="o", label=p)
-        ax.set_xlabel("env frames"); ax.set_ylabel("eval return"); ax.legend()
-        fig.tight_layout(); fig.savefig(out / "learning.png", dpi=110)
-    except Exception as exc:  # a chart is a nicety; the table above carries the numbers
-        lines.append(f"(learning.png not drawn: {exc})")
-else:
-    lines.append("no eval returns found (see learn_fp16.log / learn_fp32.log in results.tar.gz)")
-for p, run in (("fp16", "learn_fp16"), ("fp32", "learn_fp32"), ("fp16, CUDA graphs + GPU replay, alone", "fast_fp16")):
-    summary = work / run / "summary.json"
-    if summary.is_file():
-        s = json.loads(summary.read_text())
-        fmt = lambda x, f: "n/a" if x is None else format(x, f)
-        lines.append(f"- {p}: {fmt(s.get('ms_per_update'), '.2f')} ms/update, "
-                     f"{fmt(s.get('env_frames_per_s'), '.0f')} env frames/s, speed-up vs fp32 "
-                     f"{fmt(s.get('speedup_vs_fp32'), '.2f')}, state vs fp32 {fmt(s.get('memory_vs_fp32'), '.2f')}, "
-                     f"skipped {s.get('skipped')}, best eval return {fmt(s.get('best_eval_return'), '.1f')}")
-(out / "report.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-EOF
-cp "$LOG" "$OUT/gpu_run.log" 2>/dev/null || true
-# checkpoints and replay snapshots are large and say nothing about speed: leave them out
-tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude='*.ckpt' --exclude='*.npz' --exclude='*replay*' . \
-  || say "warning: could not pack results"
-say "done: $OUT ($(ls "$OUT" | tr '\n' ' '))"
+say "writing the final report"
+write_report --final
+say "done in $(elapsed) s: $OUT ($(ls "$OUT" | tr '\n' ' '))"

@@ -40,6 +40,15 @@ def _compute(cfg: Any, mode: Mode, device_type: str) -> tuple[str, bool]:
     return (f"native CPU {low} kernels ({isa})" if isa else f"CPU {low} reference kernels (no native ones)"), False
 
 
+def _peak_kind(timed: Any) -> str:
+    """What the cell's peak counts; only peaks of one kind are divided by each other."""
+    if timed.peak_bytes is None:
+        return "not measured (CPU, in-process)"
+    if timed.graph_setup_updates:  # read from before capture: the graphs' pool is in it
+        return "cuda_max_allocated (from before CUDA graph capture)"
+    return "cuda_max_allocated"
+
+
 def run_cell(spec: CellSpec) -> dict[str, Any]:
     """Measure one cell in this process; returns its row (no ratios yet)."""
     import torch
@@ -84,13 +93,15 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
         "compute": compute,
         "emulated": emulated,
         "updates": len(timed.ms),
-        "warmup": spec.warmup,
+        "warmup": timed.warmup,  # rounded up to whole update cycles
+        "graph_setup_updates": timed.graph_setup_updates,  # CUDA graphs' eager warm-ups + captures, untimed
+        "graph_pool_bytes": timed.graph_pool_bytes,
         "ms_mean": timed.mean_ms,
         "ms_std": timed.std_ms,
         "ms_median": statistics.median(timed.ms) if timed.ms else math.nan,
         "ms_min": min(timed.ms) if timed.ms else math.nan,
         "peak_mem_bytes": timed.peak_bytes,
-        "peak_mem_kind": "cuda_max_allocated" if timed.peak_bytes is not None else "not measured (CPU, in-process)",
+        "peak_mem_kind": _peak_kind(timed),
         "rss_peak_bytes": None,
         "state_bytes": timed.state["total"],
         "state_parameters": timed.state["parameters"],

@@ -62,6 +62,7 @@ CSV_COLUMNS = (
     "emulation",
     "updates",
     "warmup",
+    "graph_setup_updates",
     "ms_mean",
     "ms_std",
     "ms_median",
@@ -371,11 +372,12 @@ def _header(plan: Plan) -> list[str]:
         f"- agent: {cfg.task}, obs {shape}, action dim {cell.action_dim}, {cfg.agent.num_filters} filters x "
         f"{cfg.agent.num_conv_layers} convs, feature {cfg.agent.feature_dim}, hidden {cfg.agent.hidden_dim} x "
         f"{cfg.agent.hidden_depth}, K={cfg.agent.aug_target_copies} M={cfg.agent.aug_q_copies}",
-        f"- {cell.updates} timed updates per cell after {cell.warmup} warm-up; "
+        f"- {cell.updates} timed updates per cell after {cell.warmup} warm-up, both rounded up to whole update "
+        "cycles (critic-only and full updates in a run's proportions); with CUDA graphs, each graph's eager "
+        f"warm-ups and capture come first and are not timed; "
         f"{'one fresh process per cell' if plan.isolate else 'all cells in one process'}",
         f"- glibc allocator settings: {allocator}",
-        "- GPU fp32 rows run with TF32 off; training with precision=fp32 uses PyTorch's defaults "
-        "(TF32 cuDNN convolutions, IEEE matmuls)"
+        "- GPU fp32 rows run with TF32 off, as training with precision=fp32 does (perf.tf32=true: the tf32 row)"
         if plan.device == "cuda"
         else "- fp32 rows: plain fp32",
     ]

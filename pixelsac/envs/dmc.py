@@ -20,6 +20,8 @@ import collections
 import difflib
 import operator
 import os
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +75,86 @@ def _gl_error(err: BaseException) -> EnvError:
     return EnvError(f"cannot render with MUJOCO_GL={backend!r} ({type(err).__name__}: {_first_line(err)}); {_GL_HELP}")
 
 
+_NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one entry per GPU the NVIDIA driver sees
+
+
+def egl_device_for_rank(environ: Mapping[str, str], nvidia_gpus: int) -> str | None:
+    """The EGL device a data-parallel rank should render on, or None to leave EGL's choice.
+
+    Each rank trains on CUDA device ``LOCAL_RANK`` (an index into ``CUDA_VISIBLE_DEVICES``);
+    without ``MUJOCO_EGL_DEVICE_ID`` every rank's renderer would take EGL device 0. EGL lists
+    every GPU the driver sees, whatever ``CUDA_VISIBLE_DEVICES`` says, so the rank's index is
+    mapped through that list to the driver's numbering (the same as CUDA's with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``). None when the user set ``MUJOCO_EGL_DEVICE_ID``, when
+    rendering is not EGL, when there is no rank or no NVIDIA GPU (Mesa's software EGL has one
+    device: every rank shares it), or when the mapping is unknown (GPUs listed by UUID).
+    """
+    if "MUJOCO_EGL_DEVICE_ID" in environ or environ.get("MUJOCO_GL") != "egl" or nvidia_gpus <= 0:
+        return None
+    local_rank = environ.get("LOCAL_RANK", "").strip()
+    if not local_rank.isdigit():
+        return None
+    rank = int(local_rank)
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [item.strip() for item in visible.split(",") if item.strip()]
+        if rank >= len(ids) or not ids[rank].isdigit():
+            return None
+        rank = int(ids[rank])
+    return str(rank) if rank < nvidia_gpus else None
+
+
+def _nvidia_gpu_count() -> int:
+    try:
+        return len(os.listdir(_NVIDIA_GPUS))
+    except OSError:
+        return 0
+
+
+def select_egl_device() -> str | None:
+    """Set ``MUJOCO_EGL_DEVICE_ID`` for this rank (see :func:`egl_device_for_rank`); must run
+    before dm_control or mujoco are imported. Returns what it set."""
+    device = egl_device_for_rank(os.environ, _nvidia_gpu_count())
+    if device is not None:
+        os.environ["MUJOCO_EGL_DEVICE_ID"] = device
+    return device
+
+
+def gl_renderer(physics: Any) -> str | None:
+    """The OpenGL renderer string of ``physics``'s rendering context (e.g. an NVIDIA GPU's name,
+    or ``llvmpipe`` for Mesa's software rasteriser), or None where it cannot be read."""
+    try:
+        from OpenGL import GL
+
+        with physics.contexts.gl.make_current() as context:
+            value = context.call(GL.glGetString, GL.GL_RENDERER)
+    except Exception:  # a diagnostic line must never stop a run
+        return None
+    if value is None:
+        return None
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+_RENDERER_SAID = "PIXELSAC_GL_RENDERER_SAID"  # set once said: spawned env workers stay quiet
+
+
+def _say_renderer(physics: Any) -> None:
+    """One line per process tree on stderr: which GL backend, EGL device and renderer draw."""
+    if os.environ.get(_RENDERER_SAID):
+        return
+    os.environ[_RENDERER_SAID] = "1"
+    backend = os.environ.get("MUJOCO_GL", "")
+    device = os.environ.get("MUJOCO_EGL_DEVICE_ID")
+    where = f", EGL device {device}" if backend == "egl" and device is not None else ""
+    rank = os.environ.get("LOCAL_RANK")
+    print(
+        f"render: MUJOCO_GL={backend}{where}{f' (local rank {rank})' if rank else ''}, "
+        f"GL renderer {gl_renderer(physics)!r}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 _SUITE: Any = None
 
 
@@ -85,6 +167,7 @@ def _suite() -> Any:
     """
     global _SUITE
     if _SUITE is None:
+        select_egl_device()
         try:
             from dm_control import suite
         except Exception as err:  # the backend failures are AttributeError, RuntimeError, ...
@@ -477,6 +560,7 @@ class DMCEnv:
         except Exception as err:  # mujoco.FatalError, RuntimeError, ImportError, ...
             raise _gl_error(err) from err
         self._rendering_ok = True
+        _say_renderer(physics)
         return image
 
     def _observe(self, observation: dict) -> np.ndarray:

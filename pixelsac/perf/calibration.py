@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import math
 import statistics
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import torch
 
 from pixelsac.cli import quiet_lightning
 from pixelsac.config import SIX
+from pixelsac.graphs import update_cycle, updates_to_capture
 from pixelsac.module import SACModule
 from pixelsac.perf.meters import (
     PeakMemory,
@@ -42,7 +44,8 @@ class TimedUpdates:
     ms: list[float]  # each timed update (after the warm-up), milliseconds
     state: dict[str, int]  # precision.state_bytes: parameters, optimizer, target, total
     peak_bytes: int | None  # GPU: peak allocated over the timed updates above what was
-    # allocated before the module was built; None on a CPU
+    # allocated before the module was built (with CUDA graphs: from before the first
+    # update, so the graphs' capture into their pool counts); None on a CPU
     finite_after_first: bool  # parameters finite after the very first update
     finite_at_end: bool
     skipped: dict[str, int]  # skipped optimizer steps per loss, warm-up included
@@ -51,6 +54,9 @@ class TimedUpdates:
     state_groups: dict[str, dict[str, int]] | None = None  # state_groups(): by kind and group
     ms_by_form: dict[str, list[float]] | None = None  # interleaved emulation forms, timed
     tensor_peak_bytes: int | None = None  # TensorPeakMeter over the first update (CPU)
+    warmup: int = 0  # untimed updates before the timed ones (whole update cycles)
+    graph_setup_updates: int = 0  # CUDA graphs' eager warm-ups and captures (untimed, before warmup)
+    graph_pool_bytes: int | None = None  # what the graphs' private pool holds at the end
 
     @property
     def mean_ms(self) -> float:
@@ -92,9 +98,12 @@ class _Probe(UpdateTimer):
     the parameters after the first update (outside the timed span), meters what the first update
     saves for backward, and (``forms``) sets the emulation's form before each update."""
 
-    def __init__(self, warmup: int, forms: list[bool] | None = None, tensor_peak: bool = False) -> None:
+    def __init__(
+        self, warmup: int, forms: list[bool] | None = None, tensor_peak: bool = False, reset_peak_at: int | None = None
+    ) -> None:
         super().__init__()
         self.warmup = warmup
+        self.reset_peak_at = warmup if reset_peak_at is None else reset_peak_at
         self.started = 0
         self.peak: PeakMemory | None = None
         self.finite_after_first: bool | None = None
@@ -115,7 +124,7 @@ class _Probe(UpdateTimer):
             pl_module.precision_policy = _EmulationFormPolicy(pl_module.precision_policy, self.forms[0])
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.started == self.warmup and self.peak is not None:
+        if self.started == self.reset_peak_at and self.peak is not None:
             self.peak.reset()
         if self.forms is not None:
             pl_module.precision_policy.save_low_precision = self.forms[min(self.started, len(self.forms) - 1)]
@@ -188,6 +197,14 @@ def time_updates(
     """Build a fresh ``SACModule`` from ``config`` and time ``updates`` of its real training steps
     on ``batch`` after ``warmup`` untimed ones, under a throwaway Trainer on ``device``.
 
+    Both counts are rounded up to whole update cycles (:func:`pixelsac.graphs.update_cycle`), so
+    the timed updates start at a full update and hold critic-only and full updates in a run's
+    proportions. With ``perf.cuda_graphs`` (on a GPU) the warm-up first runs every graph's eager
+    warm-up and capture, which are never timed: the times are replays, as in the run; the peak
+    is then read from before the first update, so the graphs' pool is counted.
+    After the fit the module and Trainer are freed (their reference cycles collected), so a
+    second call starts from the same allocated bytes.
+
     ``prepare(module)`` may change the module before it is fitted (memory format, compilation).
     The caller's random streams are left as they were (the fork is restored afterwards), so a
     calibration at start-up does not change the run that follows it. The first update (the
@@ -207,24 +224,37 @@ def time_updates(
     if emulation is not None and emulation not in EMULATION_CHOICES:
         raise ValueError(f"emulation={emulation!r}; choose one of {', '.join(EMULATION_CHOICES)} or None")
     forms = None
-    if emulation == "interleaved":
-        forms = interleaved_forms(warmup, updates)
-    elif emulation is not None:
+    if emulation is not None and emulation != "interleaved":
         forms = [emulation == "saves_low"]
     # No metric sync or health check inside the timed steps: they come every log interval in a
     # run, and a naive fp16 agent must be timed to the end rather than stopped at its first NaN.
     config = {**config, "train": {**config["train"], "log_every_updates": _NEVER}}
     device = torch.device(device)
+    agent = config["agent"]
+    actor_every, target_every = int(agent["actor_update_every"]), int(agent["critic_target_update_every"])
+    cycle = update_cycle(actor_every, target_every)
+    whole = lambda n: -(-int(n) // cycle) * cycle  # noqa: E731 -- rounded up to whole cycles
+    warmup, updates = whole(warmup), whole(updates)
+    graphs = bool((config.get("perf") or {}).get("cuda_graphs")) and device.type == "cuda"
+    setup = 0
+    if graphs:
+        graph_warmup = int(config["perf"].get("graph_warmup_updates", 3))
+        setup = whole(updates_to_capture(actor_every, target_every, graph_warmup))
+    if emulation == "interleaved":
+        forms = interleaved_forms(warmup, updates)
     fork_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices), quiet_lightning():
         torch.manual_seed(int(config.get("seed", 0)))
+        gc.collect()  # what an earlier cell or calibration left in reference cycles
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         module = SACModule(config, obs_shape, action_dim)
         if prepare is not None:
             prepare(module)
         if tensor_peak is None:
             tensor_peak = device.type != "cuda"
-        probe = _Probe(warmup, forms, tensor_peak)
+        probe = _Probe(setup + warmup, forms, tensor_peak, reset_peak_at=0 if graphs else setup + warmup)
         trainer = L.Trainer(
             **_trainer_device_args(device),
             max_epochs=1,
@@ -235,8 +265,9 @@ def time_updates(
             enable_model_summary=False,
             callbacks=[probe],
         )
-        trainer.fit(module, DataLoader([batch] * (warmup + updates), batch_size=None))
-        ms = probe.clock.drain()[warmup:]
+        trainer.fit(module, DataLoader([batch] * (setup + warmup + updates), batch_size=None))
+        ms = probe.clock.drain()  # graph warm-ups and captures are not in it (UpdateTimer)
+        ms = ms[max(len(ms) - updates, 0) :]
         peak = None
         if probe.peak is not None:
             peak = max(probe.peak.read() - allocated_before, 0)
@@ -245,6 +276,7 @@ def time_updates(
             ms_by_form = {
                 name: [t for t, low in zip(ms, forms[warmup:]) if low == flag] for flag, name in EMULATION_FORMS.items()
             }
+        pool = module.update_graphs.pool_bytes() if graphs and module.update_graphs is not None else None
         result = TimedUpdates(
             ms=ms,
             state=state_bytes(module, trainer.optimizers),
@@ -257,8 +289,14 @@ def time_updates(
             state_groups=state_groups(module, trainer.optimizers),
             ms_by_form=ms_by_form,
             tensor_peak_bytes=probe.tensor_peak_bytes,
+            warmup=warmup,
+            graph_setup_updates=probe.graph_setup_updates,
+            graph_pool_bytes=pool,
         )
-    del trainer, module
+    # The Trainer and the module refer to each other (and the probe to both): without a
+    # collection they outlive this call, and the next cell's baseline holds them.
+    del trainer, module, probe
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -290,3 +328,16 @@ class Fp32Reference:
     seconds: float
     saved: dict[str, Any] | None = None  # SavedBytes as a dict
     state_groups: dict[str, dict[str, int]] | None = None
+    host_other_cores: float | None = None  # other processes' CPU use during it (HostLoad)
+    host_busy: bool = False  # they used >= meters.BUSY_OTHER_CORES: the estimate is unreliable
+    host_load: str | None = None  # HostLoad.describe()
+    cuda_graphs: bool = False  # timed as graph replays, like the run
+    graph_setup_updates: int = 0  # graph warm-ups and captures, untimed
+
+    def describe(self) -> str:
+        """What this figure is: a short estimate at start-up, how many updates, how reliable."""
+        graphs = ", CUDA graph replays" if self.cuda_graphs else ""
+        text = f"fp32 start-up estimate over {self.updates} updates (after {self.warmup} warm-up{graphs})"
+        if self.host_busy:
+            text += f"; unreliable: the host was busy ({self.host_load})"
+        return text

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import resource
 import sys
 import time
@@ -156,6 +157,75 @@ class PeakMemory:
         if self.kind == "cuda_max_allocated":
             return int(torch.cuda.max_memory_allocated(self.device))
         return rss_peak_bytes()
+
+
+# --- how busy the host was ----------------------------------------------------------------------
+#: Other processes using this many cores on average during a timing make it unreliable.
+BUSY_OTHER_CORES = 0.5
+
+
+def _system_busy_seconds() -> float | None:
+    """CPU seconds all processes of the machine have spent (``/proc/stat``: user, nice, system,
+    irq, softirq and steal, the hypervisor's share for other machines); None without /proc."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+@dataclasses.dataclass
+class HostLoad:
+    """How busy the machine was while something was timed (:class:`HostLoadMeter`)."""
+
+    other_cores: float | None  # CPU seconds of every other process ÷ wall seconds (None: unknown)
+    load_average: float | None  # 1-minute load average at the end
+    cpus: int  # cores this process may run on
+
+    @property
+    def busy(self) -> bool:
+        """Other processes used at least :data:`BUSY_OTHER_CORES` cores on average: a timing
+        taken then says as much about them as about the update."""
+        return self.other_cores is not None and self.other_cores >= BUSY_OTHER_CORES
+
+    def describe(self) -> str:
+        if self.other_cores is None:
+            return "host load unknown (no /proc/stat)"
+        load = "" if self.load_average is None else f", load average {self.load_average:.1f}"
+        return f"other processes used {self.other_cores:.1f} of {self.cpus} cores{load}"
+
+
+class HostLoadMeter:
+    """Context manager: the CPU time all other processes spent while it was active, from the
+    machine's busy time (``/proc/stat``) less this process's own (``os.times``)."""
+
+    def __enter__(self) -> HostLoadMeter:
+        self.result: HostLoad | None = None
+        # real time, not the stand-in clock tests may put in _now: CPU seconds are real too
+        self._start = (time.monotonic(), _system_busy_seconds(), _own_cpu_seconds())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        wall0, busy0, own0 = self._start
+        wall, busy, own = time.monotonic() - wall0, _system_busy_seconds(), _own_cpu_seconds() - own0
+        other = None
+        if busy is not None and busy0 is not None and wall > 0:
+            other = max(busy - busy0 - own, 0.0) / wall
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = None
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.result = HostLoad(other, load, cpus)
 
 
 # --- memory where it is spent -----------------------------------------------------------------
@@ -415,7 +485,9 @@ class UpdateTimer(L.Callback):
     the step, so it covers moving and casting the batch, the three losses and optimizer steps
     and the target update, but not experience collection. It closes at this callback's
     ``on_train_batch_end``, and is dropped when the module's ``updates`` counter did not move
-    (an epoch's last step finds the iterator empty and updates nothing). Place the callback
+    (an epoch's last step finds the iterator empty and updates nothing), and when the update
+    was a CUDA graph's eager warm-up or its capture (``perf.cuda_graphs``: a replay's time is
+    what the run spends from then on; :attr:`graph_setup_updates` counts them). Place the callback
     first, before any callback that works there (evaluation, checkpoints, the progress bar), or
     that work is timed too -- :meth:`setup` warns otherwise.
     """
@@ -424,6 +496,7 @@ class UpdateTimer(L.Callback):
         self.clock: UpdateClock | None = None
         self._listener: _FetchListener | None = None
         self._updates_at_start: int | None = None
+        self.graph_setup_updates = 0  # eager warm-ups and captures of CUDA graphs, not timed
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.clock = UpdateClock(trainer.strategy.root_device)
@@ -452,7 +525,11 @@ class UpdateTimer(L.Callback):
         self.clock.start()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.updated(pl_module):
+        graphs = getattr(pl_module, "update_graphs", None)
+        if self.updated(pl_module) and graphs is not None and not graphs.replaying:
+            self.graph_setup_updates += 1
+            self.clock.cancel()
+        elif self.updated(pl_module):
             self.clock.stop()
         else:
             self.clock.cancel()

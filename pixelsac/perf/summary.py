@@ -41,14 +41,35 @@ def build_summary(
     stopped_by: str | None = None,
     saved: SavedBytes | None = None,
     state_groups: dict[str, dict[str, int]] | None = None,
+    fp32_is_self: bool = False,
+    shared_device: bool = False,
+    fp32_restored: bool = False,
+    replay_device_bytes: int = 0,
 ) -> dict[str, Any]:
     """The end-of-run figures as plain data; every ratio is computed here from measured values.
-    ``memory_figures`` says what each memory figure measures."""
+    ``memory_figures`` says what each memory figure measures.
+
+    The speed-up is the fp32 start-up estimate's ms ÷ this run's (``speedup_basis`` says over how
+    many updates, and whether the host was busy then: ``speedup_reliable``). There is none for an
+    fp32 run (``fp32_is_self``: it would compare the run with itself) nor for runs that shared
+    their device (``shared_device``). The peak's ratio divides like by like: the run's peak less
+    a replay buffer held on the GPU (``replay_device_bytes``) ÷ the fp32 copy's peak above what
+    was allocated before it was built.
+    """
     mean_ms = statistics.fmean(ms) if ms else None
     peak_vs_fp32 = None
-    if fp32 is not None and fp32.peak_bytes is not None and peak_kind == "cuda_max_allocated":
-        peak_vs_fp32 = ratio(peak_bytes, fp32.peak_bytes)
+    if fp32 is not None and fp32.peak_bytes is not None and peak_kind == "cuda_max_allocated" and peak_bytes:
+        peak_vs_fp32 = ratio(peak_bytes - replay_device_bytes, fp32.peak_bytes)
     fp32_saved = fp32.saved if fp32 is not None else None
+    speed, basis, reliable = None, None, None
+    if fp32_is_self:
+        basis = "none: this run is fp32, the reference itself"
+    elif shared_device:
+        basis = "none: the device was shared with other runs (perf.shared_device)"
+    elif fp32 is not None:
+        speed = speedup(fp32.ms_per_update, mean_ms)
+        basis = fp32.describe() + ("; saved in the checkpoint, not timed again" if fp32_restored else "")
+        reliable = not fp32.host_busy
     return {
         "precision": precision,
         "device": device,
@@ -71,9 +92,12 @@ def build_summary(
         "replay_bytes": replay_bytes,
         "replay_bytes_per_transition": replay_bytes_per_transition,
         "fp32": dataclasses.asdict(fp32) if fp32 is not None else None,
-        "speedup_vs_fp32": speedup(fp32.ms_per_update, mean_ms) if fp32 is not None else None,
+        "speedup_vs_fp32": speed,
+        "speedup_basis": basis,
+        "speedup_reliable": reliable,
         "memory_vs_fp32": ratio(state["total"], fp32.state["total"]) if fp32 is not None and state else None,
         "peak_memory_vs_fp32": peak_vs_fp32,
+        "replay_device_bytes": replay_device_bytes,
         "saved_for_backward": dataclasses.asdict(saved) if saved is not None else None,
         "saved_for_backward_vs_fp32": ratio(saved.activations, fp32_saved["activations"])
         if saved is not None and fp32_saved is not None
@@ -87,9 +111,11 @@ def build_summary(
 
 #: What each memory figure of the summary and the benchmark measures.
 MEMORY_FIGURES = {
-    "peak memory": "peak of the process: on a GPU torch.cuda.max_memory_allocated (tensors only); on a CPU the "
+    "peak memory": "peak of the process: on a GPU torch.cuda.max_memory_allocated (tensors only; with CUDA "
+    "graphs read from before their capture, so their memory pool counts); on a CPU the "
     "resident-set high-water mark (the whole process: libraries, allocator caches, replay buffer, "
-    "envs; the benchmark reports it above the fresh process's baseline)",
+    "envs; the benchmark reports it above the fresh process's baseline); its ratio to fp32 leaves "
+    "a replay buffer held on the GPU out",
     "tensor peak": "CPU: the most bytes of tensors alive at once during one full update among those it allocates "
     "(op outputs; pixelsac.perf.TensorPeakMeter): what torch.cuda.max_memory_allocated says on a GPU, "
     "less kernels' own workspaces; benchmark only",
@@ -123,6 +149,17 @@ def _fmt_groups(members: dict[str, int], ratios: dict[str, float | None] | None)
     return ", ".join(parts) or "none"
 
 
+def _fmt_speed(summary: dict[str, Any]) -> str:
+    """The speed-up with what it rests on, or why there is none."""
+    basis = summary.get("speedup_basis")
+    fp32, speed = summary["fp32"], summary["speedup_vs_fp32"]
+    if speed is not None and fp32:
+        return f" ({speed:.2f}x speed-up vs fp32 {fp32['ms_per_update']:,.2f}: {basis})"
+    if basis and basis.startswith("none: "):
+        return f" (no speed-up figure: {basis.removeprefix('none: ')})"
+    return ""
+
+
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """(what, value) pairs of the summary, in reading order, values already formatted."""
     fp32 = summary["fp32"]
@@ -136,15 +173,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("wall time", f"{summary['wall_s']:,.1f} s"),
         ("env frames / s", num(summary["env_frames_per_s"], ",.1f")),
         ("updates / s", num(summary["updates_per_s"], ",.2f")),
-        (
-            "ms / update",
-            num(summary["ms_per_update"], ",.2f")
-            + (
-                f" (fp32 {fp32['ms_per_update']:,.2f}: {summary['speedup_vs_fp32']:.2f}x speed-up)"
-                if fp32 and summary["speedup_vs_fp32"] is not None
-                else ""
-            ),
-        ),
+        ("ms / update", num(summary["ms_per_update"], ",.2f") + _fmt_speed(summary)),
         (
             "peak memory",
             _fmt_bytes(summary["peak_memory_bytes"])
@@ -185,7 +214,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                 f"({summary['replay_bytes_per_transition']:,.0f} B/transition, uint8)",
             )
         )
-    if fp32 is None:
+    if fp32 is None and not (summary.get("speedup_basis") or "").startswith("none: this run is fp32"):
         rows.append(("fp32 reference", "not calibrated (perf.calibrate_updates=0)"))
     if summary.get("stopped_by"):
         rows.append(("stopped early", summary["stopped_by"]))

@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from pixelsac.graphs import update_cycle
 from pixelsac.perf import meters
 from pixelsac.perf.calibration import (
     Fp32Reference,
@@ -26,6 +27,7 @@ from pixelsac.perf.calibration import (
 )
 from pixelsac.perf.meters import (
     MIB,
+    HostLoadMeter,
     PeakMemory,
     SavedBytes,
     SavedTensorMeter,
@@ -61,6 +63,12 @@ class PerfTracker(UpdateTimer):
     ``collector`` supplies the counters (``total_env_frames``/``total_agent_steps`` over all ranks,
     or ``env_frames``/``agent_steps``; ``replay`` if it has one).
     Put it first in the Trainer's callbacks (see :class:`UpdateTimer`).
+
+    The speed-up it reports is a start-up estimate and says so: no speed-up for an fp32 run (its
+    reference is itself: it is not calibrated), none when ``perf.shared_device`` says other runs
+    share the device, and the estimate is marked unreliable when other processes kept the host
+    busy while it was timed. The reference is saved in the checkpoint (:meth:`state_dict`) and
+    reused on resume rather than timed again.
     """
 
     def __init__(self, collector: Any, run_dir: str | Path, cfg: Any) -> None:
@@ -76,12 +84,17 @@ class PerfTracker(UpdateTimer):
         self.fp32: Fp32Reference | None = None
         self.summary: dict[str, Any] | None = None
         self._fit_start: float | None = None
-        self._to_discard = self.warmup_updates  # the run's own first updates warm up like calibration's
+        self.actor_every = int(cfg.agent.actor_update_every)
+        cycle = update_cycle(self.actor_every, int(cfg.agent.critic_target_update_every))
+        # the run's own first updates warm up like calibration's, in whole update cycles
+        self._to_discard = -(-self.warmup_updates // cycle) * cycle
+        self.shared_device = bool(cfg.perf.get("shared_device", False))
+        self.fp32_is_self = False  # the run is the fp32 reference itself: no speed-up to report
+        self.fp32_restored = False  # the reference came from the checkpoint, not timed again
         self._ms_all: list[float] = []
         self._peak_max: int | None = None
         self._state: dict[str, int] | None = None
         self._groups: dict[str, dict[str, int]] | None = None
-        self.actor_every = int(cfg.agent.actor_update_every)
         self.saved: SavedBytes | None = None  # what the first full update of the fit saved for backward
         self._meter: SavedTensorMeter | None = None
         self._last_logged = -1
@@ -95,31 +108,59 @@ class PerfTracker(UpdateTimer):
         """Time ``calibrate_updates`` updates of an fp32 copy of ``module``'s agent."""
         start = meters._now()
         batch = synthetic_batch(self.batch_size, module.obs_shape, module.action_dim, seed=self.seed)
-        timed = time_updates(
-            fp32_reference_config(module.hparams["config"]),
-            module.obs_shape,
-            module.action_dim,
-            batch,
-            device,
-            self.calibrate_updates,
-            self.warmup_updates,
-        )
+        with HostLoadMeter() as load:
+            timed = time_updates(
+                fp32_reference_config(module.hparams["config"]),
+                module.obs_shape,
+                module.action_dim,
+                batch,
+                device,
+                self.calibrate_updates,
+                self.warmup_updates,
+            )
+        host = load.result
         return Fp32Reference(
             timed.mean_ms,
             timed.std_ms,
             len(timed.ms),
-            self.warmup_updates,
+            timed.warmup,
             timed.state,
             timed.peak_bytes,
             meters._now() - start,
             dataclasses.asdict(timed.saved) if timed.saved is not None else None,
             timed.state_groups,
+            host_other_cores=host.other_cores,
+            host_busy=host.busy,
+            host_load=host.describe(),
+            cuda_graphs=timed.graph_setup_updates > 0,
+            graph_setup_updates=timed.graph_setup_updates,
         )
+
+    # --- the reference travels with the checkpoint ----------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The fp32 reference as plain data (a resumed run reuses it instead of timing again)."""
+        return {
+            "fp32": dataclasses.asdict(self.fp32) if self.fp32 is not None else None,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("fp32")
+        if saved and state_dict.get("batch_size") == self.batch_size:  # another batch size: time it again
+            known = {field.name for field in dataclasses.fields(Fp32Reference)}
+            self.fp32 = Fp32Reference(**{k: v for k, v in saved.items() if k in known})
+            self.fp32_restored = True
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         device = trainer.strategy.root_device
         frames = self._env_frames()
-        if self.calibrate_updates > 0 and trainer.is_global_zero:
+        policy = pl_module.precision_policy
+        self.fp32_is_self = policy.mode == "fp32" and not policy.tf32
+        if self.fp32_restored and trainer.is_global_zero:
+            print(f"perf: fp32 reference from the checkpoint, not timed again: {self.fp32.describe()}")
+        elif self.fp32_is_self and self.calibrate_updates > 0 and trainer.is_global_zero:
+            print("perf: this run is fp32, the reference itself: no fp32 calibration, no speed-up figure")
+        elif self.calibrate_updates > 0 and trainer.is_global_zero:
             self.fp32 = self.calibrate(pl_module, device)
             row = {
                 "perf/fp32_ms_per_update": self.fp32.ms_per_update,
@@ -132,8 +173,7 @@ class PerfTracker(UpdateTimer):
             _log(trainer, {**row, **self._counters(pl_module)}, step=frames)
             print(
                 f"perf: fp32 reference {self.fp32.ms_per_update:.1f} ms/update (batch {self.batch_size}, "
-                f"{self.fp32.updates} updates after {self.fp32.warmup} warm-up, {self.fp32.seconds:.1f} s), "
-                f"state {_fmt_bytes(self.fp32.state['total'])}"
+                f"{self.fp32.describe()}, {self.fp32.seconds:.1f} s), state {_fmt_bytes(self.fp32.state['total'])}"
             )
         if trainer.is_global_zero:
             print(f"perf: peak memory = {self.peak.describe()}")
@@ -179,6 +219,16 @@ class PerfTracker(UpdateTimer):
     def _counters(self, module: Any) -> dict[str, float]:
         return {"env_frames": self._env_frames(), "agent_steps": self._agent_steps(), "updates": module.updates}
 
+    def _compares_speed(self) -> bool:
+        """A speed-up means something: a reference that is not the run itself, a device alone."""
+        return self.fp32 is not None and not self.fp32_is_self and not self.shared_device
+
+    def _replay_device_bytes(self) -> int:
+        """Bytes of a replay buffer held on the GPU: in the run's peak, never in the fp32 copy's."""
+        replay = getattr(self.collector, "replay", None)
+        device = getattr(replay, "device", None)
+        return int(getattr(replay, "nbytes", 0)) if device is not None and torch.device(device).type == "cuda" else 0
+
     def _drain(self) -> list[float]:
         ms = self.clock.drain()
         dropped = min(self._to_discard, len(ms))
@@ -207,7 +257,7 @@ class PerfTracker(UpdateTimer):
         row[self.peak.metric] = peak / MIB
         if ms:
             row["perf/ms_per_update"] = statistics.fmean(ms)
-            faster = speedup(self.fp32.ms_per_update, row["perf/ms_per_update"]) if self.fp32 else None
+            faster = speedup(self.fp32.ms_per_update, row["perf/ms_per_update"]) if self._compares_speed() else None
             if faster is not None:
                 row["perf/speedup_vs_fp32"] = faster
         if _optimizers_have_state(trainer.optimizers):
@@ -228,8 +278,10 @@ class PerfTracker(UpdateTimer):
             row["perf/saved_for_backward_bytes"] = self.saved.activations
             if self.fp32 is not None and self.fp32.saved is not None:
                 row["perf/saved_for_backward_vs_fp32"] = ratio(self.saved.activations, self.fp32.saved["activations"])
+        graphs = getattr(module, "update_graphs", None) is not None
         if self.fp32 is not None and self.fp32.peak_bytes is not None and self.peak.kind == "cuda_max_allocated":
-            row["perf/peak_memory_vs_fp32"] = ratio(peak, self.fp32.peak_bytes)
+            if not graphs:  # an interval of replays allocates nothing: its peak leaves the graphs' pool out
+                row["perf/peak_memory_vs_fp32"] = ratio(peak - self._replay_device_bytes(), self.fp32.peak_bytes)
         # loss scales and skipped steps: the TrainingLogger's, at the same interval
         return row
 
@@ -277,6 +329,10 @@ class PerfTracker(UpdateTimer):
             stopped_by=stopped_by,
             saved=self.saved,
             state_groups=self._groups,
+            fp32_is_self=self.fp32_is_self,
+            shared_device=self.shared_device,
+            fp32_restored=self.fp32_restored,
+            replay_device_bytes=self._replay_device_bytes(),
         )
         write_summary(self.run_dir, self.summary)
         print(format_summary(self.summary))

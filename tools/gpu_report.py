@@ -1,0 +1,251 @@
+"""The GPU run's report and archive (``tools/gpu_run.sh`` calls it after every part).
+
+    python tools/gpu_report.py report WORK OUT [--final] [--archive-mb 20]
+                                                           # OUT/report.md from what WORK holds now
+                                                           # (and OUT/results.tar.gz)
+    python tools/gpu_report.py graphs-ok WORK              # exit 0 when the GPU tests showed CUDA
+                                                           # graphs equal to eager updates
+    python tools/gpu_report.py archive WORK OUT [--max-mb 20]
+
+``WORK`` is the script's scratch tree: ``status.tsv`` (one line per part: name, state, exit code,
+seconds, limit, note), ``plan.txt`` (the time budget), ``device.txt``, one folder per benchmark
+part (``bench.md``, ``bench.png``), ``gpu_tests.xml`` (pytest's JUnit XML) and the training runs
+(``learn_fp16``, ``learn_fp32``, ``fast_fp16``) with their exit codes in ``<run>.rc``.
+
+A training run's figures are reported only when it exited 0: a crashed or stopped run is named
+as such and its ``summary.json`` is not read as a result. ``report.md`` is written to a temporary
+name and renamed, so a run cut at any moment leaves the previous complete report. The archive
+holds only text, tables and charts (no checkpoints, replay files or ``*.tmp``), each file at most
+5 MB, and stops adding files before ``--max-mb`` of raw bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tarfile
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+BENCH_PARTS = ("bench512", "bench128", "syncfree", "ablations", "layout", "batchsrc", "compile")
+RUNS = {
+    "learn_fp16": "fp16 + six, side by side with fp32 (shared device: no speed-up)",
+    "learn_fp32": "fp32, side by side with fp16 (shared device: no speed-up)",
+    "fast_fp16": "fp16 + six, CUDA graphs and GPU-resident replay, alone on the device",
+}
+GRAPH_TEST = "test_real_cuda_graphs_equal_eager_updates_on_a_gpu"
+ARCHIVED_SUFFIXES = (".md", ".csv", ".json", ".log", ".txt", ".tsv", ".png", ".yaml", ".xml")
+LARGEST_ARCHIVED = 5 * 10**6
+
+
+def read_status(work: Path) -> list[dict[str, str]]:
+    path = work / "status.tsv"
+    if not path.is_file():
+        return []
+    fields = ("part", "state", "rc", "seconds", "limit", "note")
+    return [dict(zip(fields, line.split("\t"))) for line in path.read_text().splitlines() if line.strip()]
+
+
+def gpu_tests(work: Path) -> tuple[str, bool]:
+    """A line on the GPU tests, and whether the CUDA-graph check ran and passed for every mode."""
+    path = work / "gpu_tests.xml"
+    if not path.is_file():
+        return "no result (the part did not run or was cut before pytest wrote its report)", False
+    try:
+        root = ElementTree.parse(path).getroot()
+    except ElementTree.ParseError as exc:
+        return f"unreadable JUnit XML ({exc})", False
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failed, graph_cases, graph_ok = [], 0, True
+    for case in root.iter("testcase"):
+        outcome = "passed"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+            failed.append(case.get("name", "?"))
+        elif case.find("skipped") is not None:
+            outcome = "skipped"
+        counts[outcome] += 1
+        if case.get("name", "").startswith(GRAPH_TEST):
+            graph_cases += 1
+            graph_ok = graph_ok and outcome == "passed"
+    line = ", ".join(f"{n} {k}" for k, n in counts.items())
+    if failed:
+        line += f" (failed: {', '.join(failed)})"
+    graphs = graph_cases > 0 and graph_ok
+    line += "; CUDA graphs equal eager updates: " + ("yes" if graphs else "not shown")
+    return line, graphs
+
+
+def _run_rc(work: Path, run: str) -> int | None:
+    path = work / f"{run}.rc"
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def run_line(work: Path, run: str, what: str) -> str | None:
+    """One line on a training run: its figures when it finished (exit 0), else what happened."""
+    directory = work / run
+    rc = _run_rc(work, run)
+    if rc is None and not directory.exists():
+        return None
+    if rc is None:
+        return f"- {what}: did not finish (its part ran out of time): no result"
+    if rc != 0:
+        how = "stopped early" if rc == 75 else "CRASHED"
+        return f"- {what}: {how} (exit {rc}; see {run}.log): its summary is not a result"
+    summary_path = directory / "summary.json"
+    if not summary_path.is_file():
+        return f"- {what}: exit 0 but no summary.json"
+    s = json.loads(summary_path.read_text())
+    fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
+    speed = (
+        f"{fmt(s.get('speedup_vs_fp32'), '.2f')}x vs fp32 ({s.get('speedup_basis')})"
+        if s.get("speedup_vs_fp32") is not None
+        else f"no speed-up figure ({(s.get('speedup_basis') or 'not calibrated').removeprefix('none: ')})"
+    )
+    return (
+        f"- {what}: {fmt(s.get('ms_per_update'), '.2f')} ms/update over {s.get('timed_updates')} timed updates, "
+        f"{fmt(s.get('env_frames_per_s'), ',.0f')} env frames/s, {speed}; state vs fp32 "
+        f"{fmt(s.get('memory_vs_fp32'), '.2f')}, skipped {s.get('skipped')}, best eval return "
+        f"{fmt(s.get('best_eval_return'), '.1f')}"
+    )
+
+
+def eval_curve(run: Path) -> list[tuple[int, float]]:
+    path = run / "metrics.csv"
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [(int(float(r.get("step") or 0)), float(r["eval/return"])) for r in rows if r.get("eval/return")]
+
+
+def learning_chart(work: Path, out: Path) -> str | None:
+    curves = {p: eval_curve(work / f"learn_{p}") for p in ("fp16", "fp32")}
+    if not any(curves.values()):
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(learning.png not drawn: no matplotlib)"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for precision, curve in curves.items():
+        if curve:
+            ax.plot([f for f, _ in curve], [r for _, r in curve], marker="o", label=precision)
+    ax.set_xlabel("env frames")
+    ax.set_ylabel("eval return")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "learning.png", dpi=110)
+    return None
+
+
+def report(work: Path, out: Path, final: bool = False) -> str:
+    lines = ["# pixelsac on a GPU: what half precision buys", ""]
+    for name in ("device.txt", "plan.txt"):
+        if (work / name).is_file():
+            lines += [(work / name).read_text().strip(), ""]
+    status = read_status(work)
+    lines += ["## Parts", "", "| part | state | exit | seconds | limit | note |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {s['part']} | {s['state']} | {s.get('rc', '')} | {s.get('seconds', '')} | {s.get('limit', '')} "
+        f"| {s.get('note', '')} |"
+        for s in status
+    ]
+    if not final:
+        lines += ["", "(the run is still going: this report is rewritten after every part)"]
+    tests_line, _ = gpu_tests(work)
+    lines += ["", "## GPU tests (pytest -m gpu)", "", tests_line]
+    states = {s["part"]: s for s in status}
+    for name in BENCH_PARTS:
+        md = work / name / "bench.md"
+        if not md.is_file():
+            continue
+        state = states.get(name, {}).get("state", "running")
+        note = "" if state == "ok" else f" -- part {state}: the rows measured before it stopped"
+        body = md.read_text().replace("# pixelsac update-step benchmark", "").strip()
+        lines += ["", f"## {name}{note}", "", body]
+        if final and (work / name / "bench.png").is_file():
+            (out / f"{name}.png").write_bytes((work / name / "bench.png").read_bytes())
+    run_lines = [line for run, what in RUNS.items() if (line := run_line(work, run, what))]
+    if run_lines:
+        lines += ["", "## Training runs", "", *run_lines]
+        curves = {p: eval_curve(work / f"learn_{p}") for p in ("fp16", "fp32")}
+        frames = sorted({f for c in curves.values() for f, _ in c})
+        if frames:
+            lines += ["", "| env frames | fp16 + six | fp32 |", "|---|---|---|"]
+            for frame in frames:
+                cell = {p: next((f"{r:.1f}" for g, r in c if g == frame), "") for p, c in curves.items()}
+                lines.append(f"| {frame:,} | {cell['fp16']} | {cell['fp32']} |")
+            if final:
+                note = learning_chart(work, out)
+                if note:
+                    lines.append(note)
+    text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "report.md.tmp"
+    partial.write_text(text)
+    os.replace(partial, out / "report.md")
+    return text
+
+
+def archive(work: Path, out: Path, max_mb: float) -> tuple[int, int]:
+    """``out/results.tar.gz``: text, tables and charts of ``work``, at most ``max_mb`` raw MB."""
+    budget = int(max_mb * 10**6)
+    files = sorted(
+        (p for p in work.rglob("*") if p.is_file() and p.suffix in ARCHIVED_SUFFIXES and not p.name.endswith(".tmp")),
+        key=lambda p: (p.suffix == ".png", p.stat().st_size),  # tables first, then the smallest
+    )
+    total, count = 0, 0
+    partial = out / "results.tar.gz.tmp"
+    with tarfile.open(partial, "w:gz") as tar:
+        for path in files:
+            size = path.stat().st_size
+            if size > LARGEST_ARCHIVED or total + size > budget:
+                continue
+            tar.add(path, arcname=str(path.relative_to(work)))
+            total, count = total + size, count + 1
+    os.replace(partial, out / "results.tar.gz")
+    return count, total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("report")
+    rep.add_argument("work", type=Path)
+    rep.add_argument("out", type=Path)
+    rep.add_argument("--final", action="store_true")
+    rep.add_argument("--archive-mb", type=float, default=None, help="also write results.tar.gz, at most this size")
+    ok = sub.add_parser("graphs-ok")
+    ok.add_argument("work", type=Path)
+    arc = sub.add_parser("archive")
+    arc.add_argument("work", type=Path)
+    arc.add_argument("out", type=Path)
+    arc.add_argument("--max-mb", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    if not args.work.is_dir():
+        print(f"error: {args.work}: no such folder", file=sys.stderr)
+        return 2
+    if args.command == "report":
+        report(args.work, args.out, args.final)
+        if args.archive_mb is not None:
+            archive(args.work, args.out, args.archive_mb)
+    elif args.command == "graphs-ok":
+        return 0 if gpu_tests(args.work)[1] else 1
+    else:
+        count, total = archive(args.work, args.out, args.max_mb)
+        print(f"gpu_report: archived {count} files, {total / 1e6:.1f} MB raw")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
