@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from pixelsac import checkpoint as ckpt_io
 from pixelsac import precision
-from pixelsac.config import from_plain, load_config, to_plain
+from pixelsac.config import from_plain, parse_overrides, to_plain
 from pixelsac.module import SACModule
 from pixelsac.replay import ReplaySet
 
@@ -56,8 +57,10 @@ def load_run(run_dir: Path) -> tuple[SACModule, ReplaySet, dict[str, Any]]:
         raise SystemExit(f"error: {run_dir}'s last.ckpt names no replay file (checkpoint.save_replay was off)")
     state = torch.load(run_dir / "checkpoints" / replay_file, map_location="cpu", weights_only=True)
     frame_shape = (module.obs_shape[0] // cfg.env.frame_stack, *module.obs_shape[1:])
-    replay = ReplaySet(1, cfg.replay.capacity, frame_shape, np.uint8, cfg.env.frame_stack, module.action_dim)
-    replay.buffers[0].load_state_dict(state)
+    replay = ReplaySet(
+        len(state["buffers"]), cfg.replay.capacity, frame_shape, np.uint8, cfg.env.frame_stack, module.action_dim
+    )
+    replay.load_state_dict(state)
     return module, replay, checkpoint
 
 
@@ -132,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     contenders = {"as trained": module}
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
-        config = to_plain(load_config(overrides.split(), base=to_plain(module.cfg)))
+        config = OmegaConf.create(to_plain(module.cfg))  # the run's config with other numerics
+        for key, value in parse_overrides(overrides.split()).items():
+            OmegaConf.update(config, key, value)
+        config = OmegaConf.to_container(config)
         variant = SACModule(config, module.obs_shape, module.action_dim)
         variant.load_state_dict(module.state_dict())
         variant.augment.backend = "index"
