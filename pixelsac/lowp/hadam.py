@@ -62,7 +62,9 @@ bit-exact for both values of ``ok`` (torch evaluates ``lerp(a, b, 1)`` as ``b - 
 skipped step leaves ``p``, ``m``, ``s``, ``c`` and ``t`` exactly as they were, and a taken step
 writes exactly the new values. Non-finite gradients are first zeroed in place so that the
 unused ``x_new`` stays finite (``0·inf`` would be NaN). Nothing here reads a tensor on the host,
-so the step can run ahead of the host or be captured in a CUDA graph.
+so the step can run ahead of the host or be captured in a CUDA graph: ``ok`` and a device ε enter
+foreach ops only through their Tensor and List overloads (``masked.py``; a 0-dim tensor given to
+a Scalar overload would be read on the host).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from torch.optim import Optimizer
 
 from .finite import all_finite
 from .kahan import kahan_add_
+from .masked import add_scalar_, select_
 from .rounding import as_int32, mix_key, stochastic_round
 
 __all__ = ["HAdam"]
@@ -112,7 +115,7 @@ def _hypot_root(
     del scaled_grads, decayed_roots
     if torch.is_tensor(eps):  # a device ε (sync-free loss scaling) would promote a 0-dim fp16 sum
         ratio_denom = _copy(larger)
-        torch._foreach_add_(ratio_denom, eps)
+        add_scalar_(ratio_denom, eps)
     else:
         ratio_denom = torch._foreach_add(larger, eps)
     torch._foreach_clamp_min_(ratio_denom, tiny)
@@ -340,7 +343,7 @@ class HAdam(Optimizer):
             torch._foreach_sqrt_(root_bias_corrections)
             denoms = _copy(new_roots)
             torch._foreach_div_(denoms, root_bias_corrections)
-            torch._foreach_add_(denoms, eps)
+            add_scalar_(denoms, eps)
         else:
             root_bias_corrections = [math.sqrt(1.0 - beta2 ** (t + 1)) for t in steps]
             denoms = torch._foreach_div(new_roots, root_bias_corrections)
@@ -362,7 +365,7 @@ class HAdam(Optimizer):
         steps = [s["step"] for s in states]
         if group.get("capturable", False):
             if ok is not None:
-                torch._foreach_add_(steps, ok.to(params[0].device))
+                add_scalar_(steps, ok.to(params[0].device))
             else:
                 torch._foreach_add_(steps, 1.0)
         else:
@@ -397,8 +400,8 @@ class HAdam(Optimizer):
             torch._foreach_copy_(exp_avgs, new_avgs)
             torch._foreach_copy_(exp_avg_roots, new_roots)
         else:
-            torch._foreach_lerp_(exp_avgs, new_avgs, ok)
-            torch._foreach_lerp_(exp_avg_roots, new_roots, ok)
+            select_(exp_avgs, new_avgs, ok)
+            select_(exp_avg_roots, new_roots, ok)
         if not capturable and not kahan:
             # One fused op: p - step*m/denom is rounded once.
             torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
@@ -411,7 +414,7 @@ class HAdam(Optimizer):
         elif ok is None:
             torch._foreach_add_(params, updates)
         else:
-            torch._foreach_lerp_(params, torch._foreach_add(params, updates), ok)
+            select_(params, torch._foreach_add(params, updates), ok)
 
     # ------------------------------------------------------------------ unbiased arithmetic
     def _fp32_packs(self, bucket: dict[str, Any]) -> list[_Pack]:
