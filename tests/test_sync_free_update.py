@@ -70,3 +70,14 @@ def test_a_sync_free_update_reads_nothing_on_the_host(precision):
     assert all(n == 0 for _, n, _ in reads), reads
     if scaled:
         assert module.skipped["critic"] >= 1, module.skipped  # the overflow was met, and skipped
+
+
+def test_a_sync_free_update_with_kornia_reads_nothing_on_the_host():
+    """The default shift on CUDA (kornia's warp) inside a whole fp16 update."""
+    torch.manual_seed(0)
+    module = make_module("precision=fp16", *SYNC_FREE, "perf.aug_backend=kornia")
+    counts = count_updates(module)
+    fit(module, [make_batch(seed=i) for i in range(2)])
+    assert module.augment.backend == "kornia"
+    reads = [(kind, count.host_reads, dict(count.read_sites)) for kind, count in counts]
+    assert len(reads) == 2 and all(n == 0 for _, n, _ in reads), reads
