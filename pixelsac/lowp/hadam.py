@@ -199,10 +199,10 @@ class HAdam(Optimizer):
     Op budget (what a GPU pays in launches): a sync-free step of one bucket with
     ``chunk_numel=None`` dispatches at most ``180 + 6·n`` aten ops for ``n`` parameters (views
     included, a foreach op counted once; bias corrections and rounding keys are vectors over the
-    bucket, the per-element spreads gathers) -- DrQ's critic 294, actor 222, ``log_alpha`` 170 --
-    and a whole fp16 update (critic, actor and temperature, forward and backward) at most 1,500,
-    against fp32's 612. At 2^18-element chunks the same update at 84×84 dispatches ~6,500 (~30 ops
-    a chunk), which is why a GPU takes whole buckets.
+    bucket, the per-element spreads gathers) -- DrQ's critic 306 at 84×84, actor 222,
+    ``log_alpha`` 170 -- and a whole fp16 update (critic, actor and temperature, forward and
+    backward) at most 1,500 (1,402 measured), against fp32's 612. At 2^18-element chunks the same
+    update at 84×84 dispatches 6,076 (~30 ops a chunk), which is why a GPU takes whole buckets.
 
     Two numerical guards beyond the formulas: the denominators ``M + ε`` and ``denom`` are
     floored at the dtype's smallest positive number. They only act when the value is exactly
