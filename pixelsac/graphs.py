@@ -8,7 +8,7 @@ fixed addresses, which the rest of pixelsac already arranges:
 
 * ``perf.sync_free``: loss-scale skips, counters and the target's K·θ check stay on the device;
   hAdam and torch Adam are capturable (step counts on the device);
-* ``perf.aug_backend=index``: the random shift's offsets are drawn on the device;
+* the random shift (either ``perf.aug_backend``) draws its offsets on the device;
 * the batch is copied into static input tensors before each replay.
 
 Each distinct kind of update -- critic only, or critic + actor + temperature, with or without
@@ -54,9 +54,6 @@ def graph_conflicts(cfg: Any, device_type: str, world_size: int) -> str | None:
             f"{_NEEDS} hAdam when loss scaling is on: only its step skips on the device "
             "(lowp.hadam=true or lowp.loss_scaling=false)"
         )
-    aug = cfg.perf.get("aug_backend")
-    if aug == "kornia" and cfg.env.obs == "pixels" and cfg.agent.aug_pad > 0:
-        return f"{_NEEDS} perf.aug_backend=index (kornia's crop reads its offsets on the host)"
     if cfg.perf.get("compile") and cfg.perf.get("compile_mode") in ("reduce-overhead", "max-autotune"):
         return f"{_NEEDS} perf.compile_mode without CUDA graphs of its own (default or max-autotune-no-cudagraphs)"
     return None

@@ -144,7 +144,7 @@ class SACModule(L.LightningModule):
             self.scalers[name] = self.precision_policy.make_scaler()
         self.target_updater.check_every_update = not self.precision_policy.sync_free
         perf = self.cfg.perf
-        self.augment.backend = perf.get("aug_backend") or "index"
+        self.augment.backend = perf.get("aug_backend")  # None: per device (augment.default_backend)
         if self.precision_policy.channels_last or perf.get("compile"):
             apply_speed_options(
                 self,

@@ -268,6 +268,7 @@ class PrecisionPolicy:
                 capturable=self.sync_free,
                 unbiased_moments=self.unbiased_moments,
                 seed=seed,
+                chunk_numel=lowp.HAdam.chunk_for(self.device_type),  # cache-sized on a CPU, whole buckets on a GPU
             )
         if use_kahan:
             return lowp.KahanAdam(params, lr=lr, betas=betas, eps=self.adam_eps)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pixelsac.augment import BACKENDS, RandomShift
+from pixelsac.augment import BACKENDS, RandomShift, default_backend
 
 
 def _find_shift(out: torch.Tensor, padded: torch.Tensor, size: int, pad: int) -> tuple[int, int] | None:
@@ -94,8 +94,48 @@ def test_shifting_frames_before_the_cast_equals_shifting_after(dtype):
     assert before.dtype == after.dtype == dtype and torch.equal(before, after)
 
 
-def test_kornia_takes_integer_frames_as_float32():
-    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
-    out = RandomShift(16, 4, "kornia")(images)
-    assert out.dtype == torch.float32 and out.shape == images.shape
-    assert torch.equal(out, out.round()) and out.min() >= 0 and out.max() <= 255
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16])
+def test_shift_is_exact_from_uint8_and_in_bf16(backend, dtype):
+    """uint8 frames (what the agent shifts) come back as uint8, the exact crop; bf16 likewise."""
+    assert len(set(_check(dtype, backend))) > 3
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.bfloat16, torch.float32])
+def test_kornia_and_index_give_the_same_images_for_the_same_draws(dtype):
+    """Same generator state, same offsets, same images bit for bit: at DrQ's size (84×84, 9
+    channels, pad 4), where the warp's grid coordinates are furthest from small integers."""
+    images = torch.randint(0, 256, (64, 9, 84, 84), dtype=torch.uint8).to(dtype)
+    torch.manual_seed(4)
+    by_index = RandomShift(84, 4, "index")(images)
+    torch.manual_seed(4)
+    by_kornia = RandomShift(84, 4, "kornia")(images)
+    assert by_kornia.dtype == by_index.dtype == dtype
+    assert torch.equal(by_kornia, by_index)
+    assert not torch.equal(by_index, images)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16])
+def test_the_shift_reads_nothing_on_the_host(backend, dtype):
+    """No ``aten._local_scalar_dense`` (a device-to-host sync on CUDA, an error in graph capture),
+    no ``.item()``/``.tolist()``/``.cpu()``/``.numpy()`` (which on a CPU tensor dispatch nothing),
+    and no tensor made from host data (``lift_fresh``: a host-to-device copy during capture)."""
+    from dispatch_count import DispatchCount
+    from test_lowp_sync_free import HostReads
+
+    images = torch.randint(0, 256, (8, 9, 20, 20), dtype=torch.uint8).to(dtype)
+    shift = RandomShift(20, 4, backend)
+    with DispatchCount() as count, HostReads() as calls:
+        shift.copies(images, 2)
+    assert count.host_reads == 0 and calls.total == 0, (dict(count.read_sites), calls.calls)
+    assert not any("lift_fresh" in op for op in count.ops), count.ops
+
+
+def test_the_default_backend_is_kornia_on_cuda_and_the_gather_elsewhere():
+    assert default_backend("cuda") == "kornia" and default_backend("cpu") == "index"
+    images = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    torch.manual_seed(5)
+    by_default = RandomShift(16, 4)(images)
+    torch.manual_seed(5)
+    assert torch.equal(by_default, RandomShift(16, 4, "index")(images))

@@ -66,3 +66,39 @@ def test_finite_bits_is_isfinite_for_every_float32_pattern_class():
         assert torch.equal(finite_bits(tensor), torch.isfinite(tensor))
     with pytest.raises(TypeError):
         finite_bits(torch.ones(2, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("factor", [None, 1.1 * 0.9005, 2.0, 1000.0])
+def test_the_foreach_list_check_decides_as_the_per_tensor_one(dtype, factor):
+    """``all_finite_many``'s GPU form (×factor, ×0, L1 norms) against ``all_finite`` per tensor:
+    every 16-bit value alone (so the rounding of the product decides), and lists with one bad
+    element among finite tensors of several shapes (0-dim, empty and integer ones included)."""
+    from pixelsac.lowp.finite import all_finite_many
+
+    largest = torch.finfo(dtype).max
+    edge = largest / (factor or 1.0)  # where factor·v leaves the range: the values that decide
+    if dtype == torch.float32:
+        values = torch.linspace(0.98 * edge, min(1.02 * edge, largest), 301)
+    else:
+        values = every_16_bit_value(dtype)
+        values = values[(values.float().abs() - edge).abs() <= 0.02 * edge]
+    values = torch.cat([values, -values, torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0])]).to(dtype)
+    decided = [bool(all_finite_many([v.reshape(1)], factor, foreach=True)) for v in values]
+    assert decided == [bool(all_finite(v, factor)) for v in values]
+    assert True in decided and False in decided
+    generator = torch.Generator().manual_seed(1)
+    for bad in (None, float("nan"), float("inf"), -float("inf"), 6e4):
+        tensors = [
+            torch.randn(7, 5, generator=generator).to(dtype),
+            torch.tensor(0.5, dtype=dtype),
+            torch.empty(0, dtype=dtype),
+            torch.arange(3),
+            torch.randn(300, generator=generator).to(dtype),
+        ]
+        if bad is not None:
+            tensors[4][123] = bad
+        expected = all(bool(all_finite(t, factor)) for t in tensors)
+        assert bool(all_finite_many(tensors, factor, foreach=True)) == expected
+        assert bool(all_finite_many(tensors, factor, foreach=False)) == expected
+        assert bad in (None, 6e4) or not expected  # the bad element was seen

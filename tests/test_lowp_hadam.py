@@ -351,3 +351,110 @@ def test_kahan_adam_state_is_in_param_dtype_and_round_trips():
         opt_.step()
     assert torch.equal(p, q)
     assert all(torch.equal(opt.state[p][k], restored.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "kahan_comp"))
+
+
+# ------------------------------------------------------------------------------ chunk size
+@pytest.mark.parametrize("capturable", [False, True], ids=["host", "sync_free"])
+@pytest.mark.parametrize("dtype", [F16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_the_chunk_size_does_not_change_a_bit(dtype, capturable):
+    """Whole buckets (a GPU's setting), cache-sized chunks (a CPU's) and chunks that split
+    parameters at odd places: the same parameters and state, bit for bit, through skipped steps,
+    with a channels-last weight, a Kahan group and a 0-dim parameter (like ``log_alpha``)."""
+    gen = torch.Generator().manual_seed(5)
+    init = [
+        torch.randn(6, 5, 3, 3, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last),
+        torch.randn(40, 7, generator=gen).to(dtype),
+        torch.randn(300, generator=gen).to(dtype),
+        torch.tensor(-2.3).to(dtype),
+    ]
+    grads = [[torch.randn(p.shape, generator=gen).to(dtype) * 1e-2 for p in init] for _ in range(12)]
+
+    def run(chunk_numel):
+        params = [p.clone().requires_grad_() for p in init]
+        opt = HAdam(
+            [{"params": params[:2], "kahan": True}, {"params": params[2:]}],
+            lr=1e-3,
+            eps=1e-4,
+            unbiased_moments=True,
+            capturable=capturable,
+            seed=7,
+            chunk_numel=chunk_numel,
+        )
+        for step, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step(found_inf=torch.tensor(float(step == 4))) if capturable else opt.step()
+        return params, opt
+
+    runs = {chunk: run(chunk) for chunk in (None, 1 << 18, 97, 5)}
+    params, opt = runs[None]
+    assert float(opt.state[params[0]]["step"]) == (11 if capturable else 12)
+    for chunk, (other_params, other_opt) in runs.items():
+        for p, q in zip(params, other_params):
+            assert torch.equal(p.view(torch.int16), q.view(torch.int16)), chunk
+            for key, value in opt.state[p].items():
+                other = other_opt.state[q][key]
+                if key == "step":  # an int, or a float32 device count
+                    assert torch.equal(value, other) if capturable else value == other, chunk
+                else:
+                    assert torch.equal(value.view(torch.int16), other.view(torch.int16)), (chunk, key)
+
+
+# ------------------------------------------------------------------- memory format on resume
+FORMATS = {"NCHW": torch.contiguous_format, "NHWC": torch.channels_last}
+
+
+@pytest.mark.parametrize("switch", ["NCHW->NHWC", "NHWC->NCHW"])
+@pytest.mark.parametrize("capturable", [False, True], ids=["host", "sync_free"])
+@pytest.mark.parametrize("unbiased", [False, True], ids=["published", "unbiased"])
+def test_resuming_in_another_memory_format_continues_bitwise(switch, unbiased, capturable):
+    """``perf.channels_last`` switched between save and resume: a conv weight's moments and Kahan
+    buffer were saved in one memory format and its weight is now in the other. The resumed run
+    must continue bit for bit as the run that kept its format (the state takes the weight's)."""
+    saved_format, resumed_format = (FORMATS[name] for name in switch.split("->"))
+    gen = torch.Generator().manual_seed(11)
+    init = [torch.randn(8, 5, 3, 3, generator=gen).half(), torch.randn(7, generator=gen).half()]
+    grads = [[torch.randn(p.shape, generator=gen).half() * 1e-2 for p in init] for _ in range(8)]
+
+    def make(memory_format, values):
+        params = [values[0].contiguous(memory_format=memory_format).requires_grad_(), values[1].requires_grad_()]
+        opt = HAdam(
+            [{"params": params[:1], "kahan": True}, {"params": params[1:]}],
+            lr=1e-2,
+            eps=1e-4,
+            unbiased_moments=unbiased,
+            capturable=capturable,
+            seed=2,
+        )
+        return params, opt
+
+    def steps(params, opt, step_grads):
+        for gs in step_grads:
+            for p, g in zip(params, gs):
+                p.grad = torch.empty_like(p).copy_(g)  # a gradient in its weight's memory format
+            opt.step()
+
+    params, opt = make(saved_format, [p.clone() for p in init])
+    steps(params, opt, grads[:4])
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
+
+    resumed = {}
+    for memory_format in (saved_format, resumed_format):
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=True)
+        assert saved["opt"]["state"][0]["exp_avg"].is_contiguous(memory_format=saved_format)
+        params, opt = make(memory_format, [p.clone() for p in saved["params"]])
+        opt.load_state_dict(saved["opt"])
+        for key in ("exp_avg", "exp_avg_root", "kahan_comp"):
+            assert opt.state[params[0]][key].stride() == params[0].stride(), key
+        steps(params, opt, grads[4:])
+        resumed[memory_format] = (params, opt)
+    (kept, kept_opt), (switched, switched_opt) = resumed[saved_format], resumed[resumed_format]
+    assert kept[0].is_contiguous(memory_format=saved_format) and switched[0].is_contiguous(memory_format=resumed_format)
+    for p, q in zip(kept, switched):
+        assert torch.equal(p.detach().contiguous().view(torch.int16), q.detach().contiguous().view(torch.int16))
+        for key in ("exp_avg", "exp_avg_root", "kahan_comp"):
+            if key in kept_opt.state[p]:
+                a, b = kept_opt.state[p][key].contiguous(), switched_opt.state[q][key].contiguous()
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16)), key

@@ -3,8 +3,10 @@
 The device path must (1) take exactly the host path's decisions -- same skips, same backoffs, a
 growth at the same step -- (2) leave every tensor bit-exactly unchanged on a skipped step, (3)
 follow the host path's trajectory to rounding, and (4) never read a tensor on the host between
-growth checks. The host-read counter is a TorchFunctionMode that sees every ``.item()``,
-``bool()``, ``float()``, ``.tolist()``, ``.cpu()`` and ``.numpy()`` on a tensor.
+growth checks. Two host-read counters: a TorchFunctionMode that sees every ``.item()``,
+``bool()``, ``float()``, ``.tolist()``, ``.cpu()`` and ``.numpy()`` on a tensor, and the
+TorchDispatchMode of ``dispatch_count.py``, which also sees the reads below the Python API (a 0-dim
+tensor handed to a foreach op's Scalar overload).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import copy
 
 import pytest
 import torch
+from dispatch_count import DispatchCount
 from torch.overrides import TorchFunctionMode
 
-from pixelsac.lowp import CompoundLossScaler, HAdam, KahanEMA
+from pixelsac.lowp import CompoundLossScaler, HAdam, KahanEMA, kahan_add_
 
 F16, F32, F64 = torch.float16, torch.float32, torch.float64
 HOST_READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy", "nonzero"}
@@ -113,6 +116,39 @@ def test_device_side_skip_leaves_every_tensor_bit_exactly_unchanged(kahan, unbia
         assert any(bool(b["kahan_comp"].ne(0).any()) for b in before_state)  # a compensation that must survive
 
 
+@pytest.mark.parametrize("dtype", [F16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("unbiased", [False, True], ids=["published", "unbiased"])
+@pytest.mark.parametrize("kahan", [False, True])
+def test_a_capturable_step_reads_nothing_on_the_host(kahan, unbiased, dtype):
+    """Taken and skipped steps, with ε a float and (after a device-side rescale) a device tensor:
+    no ``aten._local_scalar_dense`` anywhere in the step or the rescale."""
+    params = _params(dtype)
+    opt = HAdam(params, lr=1e-3, eps=1e-4, kahan=kahan, capturable=True, unbiased_moments=unbiased)
+    reads = []
+    for step, flag in enumerate([0.0, 0.0, 1.0, 0.0]):
+        for p, g in zip(params, _grads(step, params)):
+            p.grad = g
+        with DispatchCount() as count:
+            opt.step(found_inf=torch.tensor(flag))
+            opt.rescale_state_(torch.tensor(0.5 if flag else 1.0))  # ε becomes a device tensor
+        reads.append((count.host_reads, dict(count.read_sites)))
+    assert torch.is_tensor(opt.param_groups[0]["eps"])
+    assert all(n == 0 for n, _ in reads), reads
+
+
+def test_a_masked_kahan_add_reads_nothing_on_the_host():
+    values, comps = (
+        [torch.ones(3, dtype=F16), torch.ones((), dtype=F16)],
+        [torch.zeros(3, dtype=F16), torch.zeros((), dtype=F16)],
+    )
+    with DispatchCount() as count:
+        kahan_add_(
+            values, [torch.full((3,), 1e-4, dtype=F16), torch.tensor(1e-4, dtype=F16)], comps, mask=torch.ones(())
+        )
+    assert count.host_reads == 0, dict(count.read_sites)
+    assert all(bool(c.ne(0).all()) for c in comps)  # 1e-4 is below half an ulp of 1: all of it compensated
+
+
 def test_a_skipped_first_step_leaves_t_at_zero_and_the_next_step_is_a_first_step():
     skipped_first, plain = _params(F32), _params(F32)
     a = HAdam(skipped_first, lr=1e-3, capturable=True)
@@ -206,10 +242,10 @@ def test_sync_free_scaler_reads_the_host_only_at_growth_checks(unbiased):
         for p in params:
             p.grad = None
         loss = sum((p * g).sum() for p, g in zip(params, _grads(step, params)))
-        with HostReads() as reads:
+        with HostReads() as reads, DispatchCount() as dispatched:
             scaler.scale_loss(loss).backward()
             scaler.step(opt)
-        reads_per_step.append(reads.total)
+        reads_per_step.append(reads.total + dispatched.host_reads)
     # clean steps only: the host looks at step 11 (clean = 11 > 10, grows) and at step 22
     assert [i for i, n in enumerate(reads_per_step) if n] == [10, 21], reads_per_step
     assert scaler.scale == 4096.0

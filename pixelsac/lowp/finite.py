@@ -13,13 +13,19 @@ The scaled form, "would ``factor·t`` still be finite?", is the same test on the
 the extremes: for ``factor > 0``, rounding ``x·factor`` into the dtype is monotone in ``x``, so
 the smallest and largest products are ``lo·factor`` and ``hi·factor`` rounded the same way --
 the elementwise ``isfinite(t * factor).all()`` bit for bit, without the product tensor.
+
+:func:`all_finite_many` asks it of a list at once. On a CPU that is the check above per tensor
+(one cache-friendly pass each). On a GPU, where each tensor's few ops would be as many kernel
+launches, it is three foreach passes for the whole list: ``p = t·factor`` (the same rounding),
+``p·0`` (±0 where ``p`` is finite, NaN where it is not), and the L1 norm of each, which is 0 or
+NaN -- a NaN survives every sum, so no max-like reduction has to propagate it.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["all_finite", "finite_bits"]
+__all__ = ["all_finite", "all_finite_many", "finite_bits"]
 
 
 def all_finite(tensor: torch.Tensor, factor: float | None = None) -> torch.Tensor:
@@ -34,6 +40,35 @@ def all_finite(tensor: torch.Tensor, factor: float | None = None) -> torch.Tenso
         lo, hi = lo * factor, hi * factor  # 0-dim, in tensor's dtype: the elementwise rounding
     largest = torch.finfo(tensor.dtype).max
     return (lo >= -largest) & (hi <= largest)
+
+
+def foreach_by_default(device: torch.device) -> bool:
+    """Whether :func:`all_finite_many` takes the foreach form unless told: off the CPU, where a
+    launch per tensor costs more than the passes (on a CPU the foreach form took 70-90 ms
+    against 4-7 ms per tensor for the DrQ critic's 4.2M fp16 gradients, one thread)."""
+    return device.type != "cpu"
+
+
+def all_finite_many(
+    tensors: list[torch.Tensor], factor: float | None = None, foreach: bool | None = None
+) -> torch.Tensor:
+    """0-dim bool tensor: is :func:`all_finite` true of every tensor in the list (same ``factor``)?
+    One device for all of them. ``foreach``: the three-pass form of the module docstring
+    (default: off the CPU); the answer is the same either way. No host sync."""
+    floating = [t for t in tensors if t.is_floating_point() and t.numel() > 0]
+    if not floating:
+        return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
+    if factor is not None and not factor > 0:
+        raise ValueError(f"all_finite_many: factor must be positive, got {factor!r}")
+    if foreach is None:
+        foreach = foreach_by_default(floating[0].device)
+    if not foreach:
+        flags = [all_finite(t, factor) for t in floating]
+        return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+    probes = torch._foreach_mul(floating, 1.0 if factor is None else factor)  # rounded like t·factor
+    torch._foreach_mul_(probes, 0.0)  # ±0 where finite, NaN where not
+    sums = torch._foreach_norm(probes, 1, dtype=torch.float32)
+    return ~torch.stack(sums).isnan().any()
 
 
 def finite_bits(tensor: torch.Tensor) -> torch.Tensor:

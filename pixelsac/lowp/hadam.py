@@ -40,7 +40,8 @@ after 5,000 steps, against 0.73 and 0.85-2.3 published). A parameter without a K
 actor, as the paper runs it) is written with SR as well: in bf16 an lr-1e-3 step is below half
 an ulp of a weight of 0.25, and from DrQ's actor initialisation round-to-nearest kept only 30%
 of float64's displacement over 3,000 steps (SR: 1.00, Kahan: 1.00). The random bits are a hash
-of (``seed``, the parameter's index, ``t``, the element), so a run is deterministic per seed and
+of (``seed``, the parameter's index, ``t``, the element's index in logical NCHW order, whatever
+the memory format), so a run is deterministic per seed, the same in either memory format, and
 resumes bitwise with no generator state; a skipped step retried at the same ``t`` draws the same
 bits. It costs no memory: no extra state, and float32 temporaries for at most ``chunk_numel``
 elements at a time.
@@ -62,7 +63,9 @@ bit-exact for both values of ``ok`` (torch evaluates ``lerp(a, b, 1)`` as ``b - 
 skipped step leaves ``p``, ``m``, ``s``, ``c`` and ``t`` exactly as they were, and a taken step
 writes exactly the new values. Non-finite gradients are first zeroed in place so that the
 unused ``x_new`` stays finite (``0·inf`` would be NaN). Nothing here reads a tensor on the host,
-so the step can run ahead of the host or be captured in a CUDA graph.
+so the step can run ahead of the host or be captured in a CUDA graph: ``ok`` and a device ε enter
+foreach ops only through their Tensor and List overloads (``masked.py``; a 0-dim tensor given to
+a Scalar overload would be read on the host).
 """
 
 from __future__ import annotations
@@ -75,11 +78,15 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from .finite import all_finite
+from .finite import all_finite, all_finite_many
 from .kahan import kahan_add_
+from .layout import in_layout_of, state_in_param_layouts_
+from .masked import add_scalar_, select_
 from .rounding import as_int32, mix_key, stochastic_round
 
 __all__ = ["HAdam"]
+
+_LAYOUT_KEYS = ("exp_avg", "exp_avg_root", "kahan_comp")  # state tensors shaped like the parameter
 
 
 def _smallest_positive(dtype: torch.dtype) -> float:
@@ -112,7 +119,7 @@ def _hypot_root(
     del scaled_grads, decayed_roots
     if torch.is_tensor(eps):  # a device ε (sync-free loss scaling) would promote a 0-dim fp16 sum
         ratio_denom = _copy(larger)
-        torch._foreach_add_(ratio_denom, eps)
+        add_scalar_(ratio_denom, eps)
     else:
         ratio_denom = torch._foreach_add(larger, eps)
     torch._foreach_clamp_min_(ratio_denom, tiny)
@@ -125,6 +132,12 @@ def _hypot_root(
     return ratio
 
 
+def _reads_channels_last(tensor: torch.Tensor) -> bool:
+    """Does :func:`_flat` read ``tensor`` in NHWC order (a channels-last 4-D tensor that is not
+    also contiguous)?"""
+    return tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last)
+
+
 def _flat(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """A 1-D view of ``tensor`` in the memory order of ``like`` (default: its own), so that a
     parameter, its gradient and its state line up element by element -- channels-last weights
@@ -134,7 +147,7 @@ def _flat(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tenso
         tensor = torch.empty_like(like).copy_(tensor)
     if tensor.is_contiguous():
         return tensor.view(-1)
-    if tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last):
+    if _reads_channels_last(tensor):
         return tensor.permute(0, 2, 3, 1).view(-1)
     raise RuntimeError(f"HAdam(unbiased_moments=True): unsupported tensor layout {tuple(tensor.stride())}")
 
@@ -176,10 +189,20 @@ class HAdam(Optimizer):
         seed: selects the stochastic-rounding stream (different optimizers of one run should
             differ); with it, runs are deterministic.
         chunk_numel: elements per float32 temporary in the unbiased path (bounds its
-            transient memory to a few times ``4·chunk_numel`` bytes). The result does not
-            depend on it; the default, 2^18 (1 MiB temporaries), keeps each pass in cache:
-            the DrQ critic's step (4.2M fp16 parameters, one CPU thread) took 117 ms against
-            153 ms at 2^20, bitwise the same.
+            transient memory to a few times ``4·chunk_numel`` bytes); None: a whole bucket
+            (the parameters of one device and dtype) at a time. The result does not depend on
+            it, bit for bit. :meth:`chunk_for` picks it per device: 2^18 (1 MiB temporaries) on
+            a CPU keeps each pass in cache (the DrQ critic's step, 4.2M fp16 parameters, one
+            thread: 117 ms against 153 ms at 2^20); on a GPU every chunk costs ~30 kernel
+            launches, so whole buckets.
+
+    Op budget (what a GPU pays in launches): a sync-free step of one bucket with
+    ``chunk_numel=None`` dispatches at most ``180 + 6·n`` aten ops for ``n`` parameters (views
+    included, a foreach op counted once; bias corrections and rounding keys are vectors over the
+    bucket, the per-element spreads gathers) -- DrQ's critic 306 at 84×84, actor 222,
+    ``log_alpha`` 170 -- and a whole fp16 update (critic, actor and temperature, forward and
+    backward) at most 1,500 (1,402 measured), against fp32's 612. At 2^18-element chunks the same
+    update at 84×84 dispatches 6,076 (~30 ops a chunk), which is why a GPU takes whole buckets.
 
     Two numerical guards beyond the formulas: the denominators ``M + ε`` and ``denom`` are
     floored at the dtype's smallest positive number. They only act when the value is exactly
@@ -197,7 +220,7 @@ class HAdam(Optimizer):
         capturable: bool = False,
         unbiased_moments: bool = False,
         seed: int = 0,
-        chunk_numel: int = 1 << 18,
+        chunk_numel: int | None = 1 << 18,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"HAdam: invalid learning rate {lr}")
@@ -205,8 +228,8 @@ class HAdam(Optimizer):
             raise ValueError(f"HAdam: invalid eps {eps}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"HAdam: betas must lie in [0, 1), got {betas}")
-        if chunk_numel < 1:
-            raise ValueError(f"HAdam: chunk_numel must be positive, got {chunk_numel}")
+        if chunk_numel is not None and chunk_numel < 1:
+            raise ValueError(f"HAdam: chunk_numel must be positive or None, got {chunk_numel}")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -217,10 +240,17 @@ class HAdam(Optimizer):
         )
         super().__init__(params, defaults)
         self.seed = int(seed)
-        self.chunk_numel = int(chunk_numel)
+        self.chunk_numel = None if chunk_numel is None else int(chunk_numel)
+        self._layout_constants: dict[tuple, torch.Tensor] = {}  # see _constant
         # Set by every step: True (or a 0-dim bool device tensor) when a new root moment or
         # denominator would not be finite and the step was therefore not applied.
         self.state_overflow: bool | torch.Tensor = False
+
+    @staticmethod
+    def chunk_for(device_type: str) -> int | None:
+        """``chunk_numel`` for a device type: 2^18 on a CPU (cache-sized passes), None (whole
+        buckets) elsewhere, where a step is bound by kernel launches, not by cache."""
+        return 1 << 18 if device_type == "cpu" else None
 
     def _init_state(self, param: torch.Tensor, kahan: bool, capturable: bool) -> dict[str, Any]:
         state = self.state[param]
@@ -236,6 +266,9 @@ class HAdam(Optimizer):
         if kahan and "kahan_comp" not in state:
             # Created lazily so a group can switch Kahan on after loading a checkpoint.
             state["kahan_comp"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        for key in _LAYOUT_KEYS:  # a parameter converted to another memory format since: follow it
+            if key in state and state[key].stride() != param.stride():
+                state[key] = in_layout_of(param, state[key])
         return state
 
     @torch.no_grad()
@@ -250,7 +283,7 @@ class HAdam(Optimizer):
             closure: recomputes the loss (optional, as in torch optimizers).
             found_inf: 0-dim tensor; when nonzero the step is skipped on the device (parameters,
                 moments, Kahan buffers and ``t`` bit-exactly unchanged). Needs ``capturable=True``
-                in every group; the gradients are sanitised in place (non-finite -> 0).
+                in every group; non-finite gradients count as 0 (published arithmetic: sanitised in place).
 
         A step whose new state would overflow is not applied either (module docstring); it
         sets :attr:`state_overflow`.
@@ -268,8 +301,9 @@ class HAdam(Optimizer):
                 )
             ok = (found_inf == 0).to(torch.float32)
         work = self._gather()
-        if ok is not None:
-            for _, bucket in work:  # a skipped step's gradients may hold inf/NaN; 0 keeps x_new finite
+        for group, bucket in work:  # a skipped step's gradients may hold inf/NaN; 0 keeps x_new finite
+            bucket["sanitize"] = ok is not None
+            if ok is not None and not _unbiased(group, bucket):  # (the unbiased path: in its float32 copy)
                 for grad in bucket["grads"]:
                     grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         capturable = all(group.get("capturable", False) for group, _ in work) if work else False
@@ -340,7 +374,7 @@ class HAdam(Optimizer):
             torch._foreach_sqrt_(root_bias_corrections)
             denoms = _copy(new_roots)
             torch._foreach_div_(denoms, root_bias_corrections)
-            torch._foreach_add_(denoms, eps)
+            add_scalar_(denoms, eps)
         else:
             root_bias_corrections = [math.sqrt(1.0 - beta2 ** (t + 1)) for t in steps]
             denoms = torch._foreach_div(new_roots, root_bias_corrections)
@@ -354,15 +388,14 @@ class HAdam(Optimizer):
         if _unbiased(group, bucket):
             return self._fp32_overflows(group, bucket)
         candidates = self._published_candidates(group, bucket)
-        flags = [all_finite(t) for t in (*candidates["exp_avg_root"], *candidates["denom"])]
-        return ~torch.stack(flags).all()
+        return ~all_finite_many([*candidates["exp_avg_root"], *candidates["denom"]])
 
     def _apply(self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None) -> None:
         params, states = bucket["params"], bucket["states"]
         steps = [s["step"] for s in states]
         if group.get("capturable", False):
             if ok is not None:
-                torch._foreach_add_(steps, ok.to(params[0].device))
+                add_scalar_(steps, ok.to(params[0].device))
             else:
                 torch._foreach_add_(steps, 1.0)
         else:
@@ -397,8 +430,8 @@ class HAdam(Optimizer):
             torch._foreach_copy_(exp_avgs, new_avgs)
             torch._foreach_copy_(exp_avg_roots, new_roots)
         else:
-            torch._foreach_lerp_(exp_avgs, new_avgs, ok)
-            torch._foreach_lerp_(exp_avg_roots, new_roots, ok)
+            select_(exp_avgs, new_avgs, ok)
+            select_(exp_avg_roots, new_roots, ok)
         if not capturable and not kahan:
             # One fused op: p - step*m/denom is rounded once.
             torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
@@ -411,29 +444,25 @@ class HAdam(Optimizer):
         elif ok is None:
             torch._foreach_add_(params, updates)
         else:
-            torch._foreach_lerp_(params, torch._foreach_add(params, updates), ok)
+            select_(params, torch._foreach_add(params, updates), ok)
 
     # ------------------------------------------------------------------ unbiased arithmetic
     def _fp32_packs(self, bucket: dict[str, Any]) -> list[_Pack]:
-        """The bucket's elements as packs of at most ``chunk_numel``: consecutive parameters
-        packed whole (one float32 workspace and one pass of ops for many small tensors, where a
-        pass per tensor would be all per-op overhead), a larger one split into chunks of its
-        own. A pack never mixes parameters with and without a Kahan buffer, nor (on the host
-        path) different step counts, so its bias corrections are scalars."""
+        """The bucket's elements as packs of at most ``chunk_numel`` (None: the whole bucket):
+        consecutive parameters packed whole (one float32 workspace and one pass of ops for many
+        small tensors, where a pass per tensor would be all per-op overhead), a larger one split
+        into chunks of its own. A pack never mixes parameters with and without a Kahan buffer,
+        nor (on the host path) different step counts, so its bias corrections are scalars."""
         capturable = torch.is_tensor(bucket["states"][0]["step"]) if bucket["states"] else False
+        limit = self.chunk_numel or max(1, sum(param.numel() for param in bucket["params"]))
         packs: list[_Pack] = []
         current: _Pack | None = None
         for position, (param, state) in enumerate(zip(bucket["params"], bucket["states"])):
             numel, kahan = param.numel(), "kahan_comp" in state
             step = None if capturable else state["step"]
-            for start in range(0, numel, self.chunk_numel):
-                length = min(self.chunk_numel, numel - start)
-                if (
-                    current is None
-                    or current.numel + length > self.chunk_numel
-                    or current.kahan != kahan
-                    or current.step != step
-                ):
+            for start in range(0, numel, limit):
+                length = min(limit, numel - start)
+                if current is None or current.numel + length > limit or current.kahan != kahan or current.step != step:
                     current = _Pack(kahan=kahan, step=step)
                     packs.append(current)
                 current.segments.append((position, start, length))
@@ -461,8 +490,9 @@ class HAdam(Optimizer):
                 }
                 if pack.kahan:
                     flats[position]["kahan_comp"] = _flat(state["kahan_comp"])
+            whole = length == flats[position]["param"].numel()  # a whole parameter: its flat view itself
             for name, flat in flats[position].items():
-                views[name].append(flat[start : start + length])
+                views[name].append(flat if whole else flat[start : start + length])
         return views
 
     @staticmethod
@@ -470,10 +500,14 @@ class HAdam(Optimizer):
         """The segments as one 1-D tensor (no copy for a single segment)."""
         return views[0] if len(views) == 1 else torch.cat(views)
 
-    def _pack_root32(self, group: dict[str, Any], views: dict[str, list[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-        """float32 ``g`` and the new ``s = hypot((1-β1)|g|, sqrt(β2)·s)`` of a pack."""
+    def _pack_root32(
+        self, group: dict[str, Any], views: dict[str, list[torch.Tensor]], sanitize: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """float32 ``g`` (non-finite -> 0 when ``sanitize``) and the new ``s = hypot((1-β1)|g|, sqrt(β2)·s)``."""
         beta1, beta2 = group["betas"]
         grad32 = self._joined(views["grad"]).float()
+        if sanitize:  # a skipped step's gradients may hold inf/NaN; 0 keeps the unused new state finite
+            grad32.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         root32 = torch.hypot(
             grad32.abs().mul_(1.0 - beta1), self._joined(views["exp_avg_root"]).float().mul_(math.sqrt(beta2))
         )
@@ -485,50 +519,74 @@ class HAdam(Optimizer):
         flags = []
         for pack in packs:
             views = self._pack_views(bucket, pack)
-            grad32, root32 = self._pack_root32(group, views)
+            grad32, root32 = self._pack_root32(group, views, bucket["sanitize"])
             flags.append(~(root32.amax() <= largest))  # root32 >= 0; a NaN propagates into amax: overflow too
             if len(packs) == 1:  # one pack: keep its work for the step (at most chunk_numel floats)
                 bucket["fp32_pack"] = (pack, views, grad32, root32)
-        return torch.stack(flags).any()
+        return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+    def _bucket_streams(self, group: dict[str, Any], bucket: dict[str, Any]) -> dict[str, Any]:
+        """Per parameter of the bucket: the bias corrections and the stochastic-rounding keys.
+
+        Device step counts: one float32 (corrections) or int64 (keys) vector for the whole bucket,
+        a few ops however many parameters, each entry the IEEE operations of a 0-dim tensor per
+        parameter -- the same bits for any packing. Host counts: Python numbers per parameter."""
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        states, indices = bucket["states"], bucket["indices"]
+        steps = [state["step"] for state in states]
+        if torch.is_tensor(steps[0]):
+            device = steps[0].device
+            counts = torch.stack([t.to(device) for t in steps])
+            counted = counts.clamp_min(1.0).to(torch.float64)  # t >= 1: see the published path
+            root_corrections = (1.0 - beta2**counted).sqrt().to(torch.float32)
+            step_sizes = (-lr * (1.0 - beta1) / math.sqrt(1.0 - beta2) / (1.0 - beta1**counted)).to(torch.float32)
+            keys = mix_key(counts, start=self._constant(device, ("stream", tuple(indices)), self._stream_starts))
+            return {
+                "root_correction": root_corrections,
+                "step_size": step_sizes,
+                "key": keys,
+                "param_key": mix_key(keys, 1),
+            }
+        keys = [mix_key(self.seed, index, t) for index, t in zip(indices, steps)]
+        return {
+            "root_correction": [math.sqrt(1.0 - beta2**t) for t in steps],
+            "step_size": [-lr * (1.0 - beta1) / (math.sqrt(1.0 - beta2) * (1.0 - beta1**t)) for t in steps],
+            "key": keys,
+            "param_key": [mix_key(k, 1) for k in keys],
+        }
+
+    def _stream_starts(self, key: tuple[str, tuple[int, ...]], device: torch.device) -> torch.Tensor:
+        """``mix_key(seed, index)`` per parameter: the part of each key that ``t`` does not change."""
+        return torch.tensor([mix_key(self.seed, index) for index in key[1]], dtype=torch.int64, device=device)
 
     def _fp32_apply(self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None) -> None:
         """One element's step in float32, written back once (RN for m and p, SR for s), a pack
         of parameters at a time."""
-        beta1, beta2 = group["betas"]
-        lr, eps, capturable = group["lr"], group["eps"], group.get("capturable", False)
-        params, states = bucket["params"], bucket["states"]
+        beta1 = group["betas"][0]
+        eps = group["eps"]
+        params = bucket["params"]
         dtype, device = params[0].dtype, params[0].device
         if torch.is_tensor(eps):
             eps = eps.to(device)
         take = None if ok is None else ok.to(device) > 0
         tiny32 = torch.finfo(torch.float32).tiny
-        corrections = []
-        for state in states:
-            t = state["step"]
-            if capturable:
-                counted = t.clamp_min(1.0).to(torch.float64)  # t >= 1: see the published path
-                root_correction = (1.0 - beta2**counted).sqrt().to(torch.float32)
-                step_size = (-lr * (1.0 - beta1) / math.sqrt(1.0 - beta2) / (1.0 - beta1**counted)).to(torch.float32)
-            else:
-                root_correction = math.sqrt(1.0 - beta2**t)
-                step_size = -lr * (1.0 - beta1) / (math.sqrt(1.0 - beta2) * (1.0 - beta1**t))
-            corrections.append((root_correction, step_size))
+        streams = self._bucket_streams(group, bucket)
         cached = bucket.pop("fp32_pack", None)
         packs = bucket.pop("fp32_packs", None) or self._fp32_packs(bucket)
         for pack in packs if cached is None else [cached[0]]:
             if cached is None:
                 views = self._pack_views(bucket, pack)
-                grad32, root32 = self._pack_root32(group, views)
+                grad32, root32 = self._pack_root32(group, views, bucket["sanitize"])
             else:
                 _, views, grad32, root32 = cached
-            positions = [position for position, _, _ in pack.segments]
             lengths = [length for _, _, length in pack.segments]
-            root_correction = self._per_element([corrections[p][0] for p in positions], lengths, device)
-            step_size = self._per_element([corrections[p][1] for p in positions], lengths, device)
+            spread = self._spreader(pack, device)
+            root_correction = spread(streams["root_correction"])
+            step_size = spread(streams["step_size"])
             # the stochastic-rounding streams: one per (parameter, t), indexed by element
-            keys = [mix_key(self.seed, bucket["indices"][p], states[p]["step"]) for p in positions]
-            counter = self._counter(pack, device)
-            key = self._keys(keys, lengths, device)
+            key, param_key = spread(streams["key"], as_key=True), spread(streams["param_key"], as_key=True)
+            counter = self._counter(bucket, pack, device)
             avg16 = self._joined(views["exp_avg"])
             avg32 = avg16.float().lerp_(grad32, 1.0 - beta1)
             denom32 = (root32 / root_correction).add_(eps).clamp_min_(tiny32)
@@ -554,53 +612,100 @@ class HAdam(Optimizer):
                     views["kahan_comp"], new_param.float().sub_(param32).sub_(update32).to(dtype), comp16, take, lengths
                 )
             else:  # no compensation buffer: round stochastically, so sub-ulp steps add up on average
-                param_key = self._keys([mix_key(k, 1) for k in keys], lengths, device)
                 new_param = stochastic_round(param32.add_(update32), dtype, param_key, counter=counter)
             self._write(views["param"], new_param, param16, take, lengths)
 
-    @staticmethod
-    def _spread(values: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-        """``values[i]`` (0-dim, on the device) repeated ``lengths[i]`` times, with device ops
-        only: no host-built index tensor to copy over, so a CUDA graph can capture it."""
-        return torch.cat([value.reshape(1).expand(length) for value, length in zip(values, lengths)])
+    def _constant(
+        self, device: torch.device, key: tuple, make: Callable[[Any, torch.device], torch.Tensor]
+    ) -> torch.Tensor:
+        """A small device tensor that depends only on the bucket layout, built from host values at
+        its first use and kept: later steps (and a CUDA graph captured after a warm-up step, as
+        capture needs anyway) copy nothing from the host."""
+        cache = self._layout_constants
+        if (device, key) not in cache:
+            cache[(device, key)] = make(key, device)
+        return cache[(device, key)]
 
-    def _per_element(
-        self, values: list[float | torch.Tensor], lengths: list[int], device: torch.device
-    ) -> float | torch.Tensor:
-        """A pack's per-segment scalar: as it is when the pack has one segment or one host
-        value (the host path packs equal steps only), else float32 per element -- the same
-        IEEE operations as a 0-dim float32 tensor per segment."""
-        if len(values) == 1 or not torch.is_tensor(values[0]):
-            return values[0]
-        return self._spread([v.to(device) for v in values], lengths)
+    def _spreader(self, pack: _Pack, device: torch.device) -> Callable[..., Any]:
+        """``spread(values)``: a pack's per-segment value for each of its elements.
 
-    def _keys(self, keys: list[int | torch.Tensor], lengths: list[int], device: torch.device) -> int | torch.Tensor:
-        """One stochastic-rounding key per segment as the pack's key: itself for one segment,
-        else int32 per element (the key's low 32 bits, all the hash uses)."""
-        if len(keys) == 1:
-            return keys[0]
-        return self._spread(
-            [
-                as_int32(k).to(device)
-                if torch.is_tensor(k)
-                else torch.tensor(as_int32(k), dtype=torch.int32, device=device)
-                for k in keys
-            ],
-            lengths,
-        )
-
-    @staticmethod
-    def _counter(pack: _Pack, device: torch.device) -> torch.Tensor:
-        """Every element's index within its own parameter (its stochastic-rounding counter)."""
+        ``values`` holds one entry per bucket parameter: a device vector (device step counts) or a
+        list of Python numbers (host counts, which a pack shares). One segment: the 0-dim entry
+        (or number) itself, broadcast by the ops that use it. Several: the entries of the pack's
+        parameters gathered per element through the segment index (two ops however many
+        segments). ``as_key``: as int32 stochastic-rounding keys (their low 32 bits)."""
+        first = pack.segments[0][0]
         if len(pack.segments) == 1:
-            _, start, length = pack.segments[0]
-            return torch.arange(start, start + length, dtype=torch.int32, device=device)
-        return torch.cat(
-            [
-                torch.arange(start, start + length, dtype=torch.int32, device=device)
-                for _, start, length in pack.segments
-            ]
+            return lambda values, as_key=False: values[first]
+        last = pack.segments[-1][0]
+        segment = self._segment_index(pack, device)
+
+        def spread(values: torch.Tensor | list[Any], as_key: bool = False) -> Any:
+            if not torch.is_tensor(values):
+                if not as_key:
+                    return values[first]  # a host pack shares its step: one number for all
+                values = torch.tensor([as_int32(k) for k in values[first : last + 1]], dtype=torch.int32, device=device)
+            else:
+                values = values[first : last + 1]
+                if as_key:
+                    values = as_int32(values)
+            return values.index_select(0, segment)
+
+        return spread
+
+    def _segment_index(self, pack: _Pack, device: torch.device) -> torch.Tensor:
+        """Every element's segment in a pack of several (int32, ``pack.numel`` long)."""
+        lengths = self._constant(
+            device,
+            ("lengths", tuple(pack.segments)),
+            lambda key, dev: torch.tensor([length for _, _, length in key[1]], dtype=torch.int32, device=dev),
         )
+        return torch.repeat_interleave(lengths, output_size=pack.numel)
+
+    def _counter(self, bucket: dict[str, Any], pack: _Pack, device: torch.device) -> torch.Tensor:
+        """Every element's stochastic-rounding counter: its index within its own parameter in
+        logical (row-major, NCHW) order, whatever the memory order the pack reads it in, so that
+        the rounding -- and a run -- does not depend on the memory format (``layout.py``)."""
+        params = bucket["params"]
+
+        def logical(position: int, start: int, length: int) -> torch.Tensor | None:
+            """The segment's logical indices when its parameter is channels-last, else None."""
+            if not _reads_channels_last(params[position]):
+                return None
+            order = self._constant(
+                device,
+                ("logical order", tuple(params[position].shape)),
+                lambda key, dev: (
+                    torch.arange(math.prod(key[1]), dtype=torch.int32, device=dev)
+                    .view(key[1])
+                    .permute(0, 2, 3, 1)
+                    .reshape(-1)
+                ),
+            )
+            return order[start : start + length]
+
+        if len(pack.segments) == 1:
+            position, start, length = pack.segments[0]
+            order = logical(position, start, length)
+            return order if order is not None else torch.arange(start, start + length, dtype=torch.int32, device=device)
+
+        def shifts(key: tuple, dev: torch.device) -> torch.Tensor:  # parameter index - pack index, per segment
+            values, offset = [], 0
+            for _, start, length in key[1]:
+                values.append(start - offset)
+                offset += length
+            return torch.tensor(values, dtype=torch.int32, device=dev)
+
+        shift = self._constant(device, ("shifts", tuple(pack.segments)), shifts)
+        counter = torch.arange(pack.numel, dtype=torch.int32, device=device)
+        counter.add_(shift.index_select(0, self._segment_index(pack, device)))
+        offset = 0
+        for position, start, length in pack.segments:
+            order = logical(position, start, length)
+            if order is not None:
+                counter[offset : offset + length].copy_(order)
+            offset += length
+        return counter
 
     @staticmethod
     def _write(
@@ -620,11 +725,13 @@ class HAdam(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load moments and hyperparameters, but keep this optimizer's ``capturable``: whether a
-        step reads the host is decided by the run (its device), not by the checkpoint."""
+        step reads the host is decided by the run (its device), not by the checkpoint. State
+        tensors take their parameter's memory format (``layout.py``)."""
         capturable = [group.get("capturable", False) for group in self.param_groups]
         super().load_state_dict(state_dict)
         for group, flag in zip(self.param_groups, capturable):
             group["capturable"] = flag
+        state_in_param_layouts_(self)  # saved in another memory format: see layout.py
 
     # ----------------------------------------------------------------- loss-scaler hooks
     def _moment_tensors(self) -> list[torch.Tensor]:

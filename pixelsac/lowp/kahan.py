@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .masked import select_
+
 __all__ = ["kahan_add_"]
 
 
@@ -38,7 +40,7 @@ def kahan_add_(
         updates: the increments ``u``; consumed (overwritten with ``y``).
         kahan_comps: compensation buffers ``c``, updated in place; start them at zero.
         mask: optional 0-dim 0/1 tensor: 0 leaves ``p`` and ``c`` bit-exactly unchanged
-            (``p <- lerp(p, t, mask)``, exact for 0 and 1), decided without a host sync.
+            (``p <- lerp(p, t, mask)``, exact for 0 and 1, see ``masked.py``), decided without a host sync.
 
     All three lists must have matching shapes, dtypes and devices pairwise.
     """
@@ -53,8 +55,8 @@ def kahan_add_(
     if mask is not None:
         new_comps = torch._foreach_sub(summed, values)
         torch._foreach_sub_(new_comps, updates)
-        torch._foreach_lerp_(kahan_comps, new_comps, mask)
-        torch._foreach_lerp_(values, summed, mask)
+        select_(kahan_comps, new_comps, mask)
+        select_(values, summed, mask)
         return
     torch._foreach_copy_(kahan_comps, summed)
     torch._foreach_sub_(kahan_comps, values)

@@ -23,6 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from .kahan import kahan_add_
+from .layout import state_in_param_layouts_
 
 __all__ = ["KahanAdam"]
 
@@ -54,6 +55,12 @@ class KahanAdam(Optimizer):
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"KahanAdam: betas must lie in [0, 1), got {betas}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does; state tensors take their parameter's memory format (``layout.py``),
+        so that the foreach lists keep one layout."""
+        super().load_state_dict(state_dict)
+        state_in_param_layouts_(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:

@@ -61,10 +61,12 @@ def as_int32(value: int | torch.Tensor) -> int | torch.Tensor:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def mix_key(*parts: int | torch.Tensor) -> int | torch.Tensor:
-    """Combine integers (or 0-dim integer/float tensors, e.g. a device step count) into one
-    32-bit key; a tensor part keeps the result a 0-dim int64 tensor on its device (no host read)."""
-    key: int | torch.Tensor = 0x2545F491
+def mix_key(*parts: int | torch.Tensor, start: int | torch.Tensor | None = None) -> int | torch.Tensor:
+    """Combine integers (or integer/float tensors, e.g. a device step count) into one 32-bit key;
+    a tensor part keeps the result an int64 tensor on its device (no host read), elementwise for
+    a vector of parts. ``start``: continue an earlier key, ``mix_key(a, b, c) == mix_key(c,
+    start=mix_key(a, b))`` (int64 arithmetic wraps, and only the low 32 bits are kept)."""
+    key: int | torch.Tensor = 0x2545F491 if start is None else start
     for part in parts:
         if torch.is_tensor(part):
             part = part.to(torch.int64)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from .finite import all_finite
+from .finite import all_finite, all_finite_many
 from .hadam import HAdam
 from .kahan_adam import KahanAdam
 
@@ -261,16 +261,17 @@ class CompoundLossScaler:
     @torch.no_grad()
     def found_inf(self, optimizer: Optimizer) -> torch.Tensor:
         """0-dim float tensor: 1.0 when any gradient of ``optimizer``'s params overflowed."""
-        flags, device = [], None
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                device = device or param.device
-                if param.grad is not None:
-                    flags.append(~all_finite(param.grad, self.overflow_margin))
-        if not flags:
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        device = params[0].device if params else None
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for param in params:
+            if param.grad is not None:
+                by_device.setdefault(param.grad.device, []).append(param.grad)
+        if not by_device:
             # Still a tensor on the params' device, so a collective all-reduce can take it.
             return torch.zeros((), device=device)
-        return torch.stack([f.to(device) for f in flags]).any().to(torch.float32)
+        flags = [~all_finite_many(grads, self.overflow_margin).to(device) for grads in by_device.values()]
+        return (flags[0] if len(flags) == 1 else torch.stack(flags).any()).to(torch.float32)
 
     def step(
         self,
