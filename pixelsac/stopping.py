@@ -23,6 +23,10 @@ acts on it between updates (:class:`StopOnSignal`):
 A second signal skips the wait and saves at once. A second signal while a checkpoint is being
 written, or a third one, exits at once with code 128 + the signal's number (130 for Ctrl-C):
 saves are atomic (temporary name, fsync, rename), so the checkpoint before stays loadable.
+Once the run has ended -- saved and its exit code decided -- a command-line process keeps the
+handlers to the end (``handle_stop_signals(..., linger=True)``): a signal during the teardown
+that follows (loggers, worker processes, the interpreter's exit) is noted in one line and
+changes nothing; 75 stays 75 (a third such signal exits at once with that same code).
 
 Lightning's own SIGTERM handling is switched off for the run: in Lightning 2.6 it broadcasts from
 rank 0 inside the signal handler -- a collective that hangs when another rank got the signal --
@@ -78,6 +82,9 @@ class StopRequest:
         self.saving = False
         self.stopped = False
         self.gave_up_final_evaluation = False
+        self.ended = False  # the run is over: later signals are noted and ignored (see linger)
+        self.exit_code: int | None = None  # what the ended run exits with (set by the entry point)
+        self._late = 0
         self.signals: list[signal.Signals] = []
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -89,6 +96,13 @@ class StopRequest:
     def handle(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler (Python runs it in the main thread, between bytecodes)."""
         name = signal.Signals(signum).name
+        if self.ended:
+            self._late += 1
+            if self._late >= 3 and self.exit_code is not None:  # a teardown that hangs still ends, same code
+                _say(f"{name} a third time after the run ended: exiting now with code {self.exit_code}")
+                os._exit(self.exit_code)
+            _say(f"{name} after the run ended: ignored, the exit code stands (three times: exit at once)")
+            return
         self.count += 1
         if self.count == 1:
             self.signal_name, self.received_at = name, time.monotonic()
@@ -134,15 +148,20 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def handle_stop_signals(signals: str | None) -> Iterator[StopRequest]:
+def handle_stop_signals(signals: str | None, linger: bool = False) -> Iterator[StopRequest]:
     """Catch ``stop.signals`` (a comma-separated string, or None for the OS defaults) for the
-    duration of the block; yields the :class:`StopRequest` they fill in."""
+    duration of the block; yields the :class:`StopRequest` they fill in. With ``linger`` (a
+    process whose exit follows, e.g. the command line) the handlers stay after the block and
+    ignore what arrives: the run's outcome and exit code are decided."""
     request = StopRequest()
     request.install(stop_signal_names(signals))
     try:
         yield request
     finally:
-        request.restore()
+        if linger:
+            request.ended = True
+        else:
+            request.restore()
 
 
 @dataclass(frozen=True)
