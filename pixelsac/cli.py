@@ -107,12 +107,12 @@ class RunFault(RuntimeError):
         self.exit_code = exit_code
 
 
-def describe_os_error(exc: OSError) -> str:
-    """One line for a failed read or write: what failed, on which path, and what still stands."""
+def describe_os_error(exc: OSError, then: str = "fix that, then run the command again") -> str:
+    """One line for a failed read or write: what failed, on which path, and ``then``, what to do."""
     import errno as errnos
 
     first = root_os_error(exc)
-    path = first.filename or "(a file in the run directory)"
+    path = first.filename or "(a file of this command)"
     what = {
         errnos.ENOSPC: "no space left on device",
         errnos.EDQUOT: "disk quota exceeded",
@@ -121,10 +121,7 @@ def describe_os_error(exc: OSError) -> str:
         errnos.EPERM: "operation not permitted",
         errnos.EIO: "input/output error",
     }.get(first.errno or 0, first.strerror or type(first).__name__)
-    return (
-        f"{what}: {path}; the last complete checkpoint stands (no partial file is left): free the space or fix "
-        "the filesystem, then run the same command with resume=auto to continue"
-    )
+    return f"{what}: {path}; {then}"
 
 
 def root_os_error(exc: BaseException) -> OSError:

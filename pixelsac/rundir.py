@@ -90,14 +90,14 @@ def check_writable(run_dir: Path) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise UsageError(f"run_dir {run_dir}: {probe} is not a directory")
-    if os.access(probe, os.W_OK | os.X_OK):
-        try:
-            readonly = os.statvfs(probe).f_flag & os.ST_RDONLY
-        except OSError:
-            readonly = False
-        if not readonly:
-            return
+    try:
+        readonly = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        readonly = False
+    if readonly:
         why = "its filesystem is mounted read-only"
-    else:
+    elif not os.access(probe, os.W_OK | os.X_OK):
         why = "permission denied"
+    else:
+        return
     raise UsageError(f"run_dir {run_dir} cannot be written ({probe}: {why}); choose a writable run_dir=...")

@@ -35,6 +35,7 @@ and raises SystemExit at the next batch, which would skip the save.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -140,6 +141,19 @@ class StopRequest:
             if signal.getsignal(signum) != self.handle:
                 signal.signal(signum, self.handle)
 
+    def linger(self) -> None:
+        """The run has ended: from now to the process's exit a stop signal is noted and ignored.
+        At exit (the first ``atexit`` hook to run: registered last) the signals become ignored
+        outright, because Python puts back the default handlers while it finalizes, and a signal
+        in the C-level teardown after that (GL contexts, libraries) would kill the process."""
+        self.ended = True
+        atexit.register(self._ignore_to_the_end)
+
+    def _ignore_to_the_end(self) -> None:
+        for signum in self.signals:
+            if signal.getsignal(signum) == self.handle:
+                signal.signal(signum, signal.SIG_IGN)
+
     def restore(self) -> None:
         """The handlers from before :meth:`install`."""
         for signum, previous in self._previous.items():
@@ -159,7 +173,7 @@ def handle_stop_signals(signals: str | None, linger: bool = False) -> Iterator[S
         yield request
     finally:
         if linger:
-            request.ended = True
+            request.linger()
         else:
             request.restore()
 

@@ -39,6 +39,11 @@ from pixelsac import cli
 from pixelsac.config import INVOCATION_ONLY_KEYS, ConfigError, load_config, parse_overrides
 
 USAGE = __doc__
+#: What the one line of a failed write says after naming it.
+AFTER_A_FAILED_WRITE = (
+    "the last complete checkpoint stands and no partial file is left: free the space or fix the filesystem, "
+    "then run the same command with resume=auto to continue"
+)
 
 
 def resolve_config(argv: list[str]) -> tuple[Any, Path | None, int | None]:
@@ -259,7 +264,11 @@ def _command(argv: list[str], as_program: bool = False) -> int:
     from pixelsac.stopping import handle_stop_signals
 
     with handle_stop_signals(cfg.stop.signals, linger=as_program) as stop:
-        stop.exit_code = train(cfg, stop=stop, resume=point).exit_code
+        try:
+            stop.exit_code = train(cfg, stop=stop, resume=point).exit_code
+        except OSError as exc:  # a write that failed while running: disk full, read-only...
+            stop.exit_code = cli.EXIT_IO_FAULT
+            raise cli.RunFault(cli.describe_os_error(exc, AFTER_A_FAILED_WRITE), cli.EXIT_IO_FAULT) from exc
         return stop.exit_code
 
 

@@ -54,14 +54,15 @@ import shutil, sys
 import pixelsac.run as run_mod
 import pixelsac.train as train_mod
 
-real_build = run_mod.build_run
+hook, evil, target = sys.argv[1:4]
+real = getattr(run_mod, hook)
 
-def build_run(*args, **kwargs):  # after the checkpoint was checked, before fit reads it
-    shutil.copy(sys.argv[1], sys.argv[2])
-    return real_build(*args, **kwargs)
+def swapping(*args, **kwargs):  # after the checkpoint was checked, before fit restores it
+    shutil.copy(evil, target)
+    return real(*args, **kwargs)
 
-run_mod.build_run = build_run
-sys.exit(train_mod.main(sys.argv[3:]))
+setattr(run_mod, hook, swapping)
+sys.exit(train_mod.main(sys.argv[4:]))
 """
 
 
@@ -73,7 +74,11 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_stored_trust_flag_and_a_file_swapped_after_the_check_run_no_code(tiny_fp32_run, tmp_path):
+@pytest.mark.parametrize("swap_in", ["build_run", "write_run_dir"])
+def test_a_stored_trust_flag_and_a_file_swapped_after_the_check_run_no_code(tiny_fp32_run, tmp_path, swap_in):
+    """The pickle is swapped onto last.ckpt after resolve_run checked it: while the run is being
+    built (before it locks the directory: refused, the file changed), or after the lock (the run
+    restores from the dict it checked and never reads the file again)."""
     run_dir = copy_run(tiny_fp32_run, tmp_path)
     last = run_dir / "checkpoints" / "last.ckpt"
     stored = torch.load(last, map_location="cpu", weights_only=True)
@@ -84,7 +89,8 @@ def test_a_stored_trust_flag_and_a_file_swapped_after_the_check_run_no_code(tiny
     torch.save({**stored, "payload": RunsCode(str(marker))}, evil)
 
     result = subprocess.run(
-        [sys.executable, "-c", SWAP_THEN_TRAIN, str(evil), str(last), f"resume={run_dir}", "train.env_frames=400"],
+        [sys.executable, "-c", SWAP_THEN_TRAIN, swap_in, str(evil), str(last), f"resume={run_dir}"]
+        + ["train.env_frames=400", "trust_checkpoint=false"],
         cwd=tmp_path,
         env=cli_env(),
         capture_output=True,
@@ -92,8 +98,12 @@ def test_a_stored_trust_flag_and_a_file_swapped_after_the_check_run_no_code(tiny
         timeout=600,
     )
     assert not marker.exists(), "the swapped-in pickle ran its code"
-    assert result.returncode == 0, result.stderr[-3000:]
     assert f"warning: {last} stores trust_checkpoint=true; ignored" in result.stderr
+    if swap_in == "build_run":
+        assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
+        assert f"{last} changed after it was loaded" in one_error_line(result.stderr)
+        return
+    assert result.returncode == 0, result.stderr[-3000:]
     # never stored again: not in config.yaml, not in the new checkpoint
     assert "trust_checkpoint" not in (run_dir / "config.yaml").read_text()
     resumed = torch.load(last, map_location="cpu", weights_only=True)
@@ -244,7 +254,7 @@ def test_a_run_whose_every_update_was_skipped_exits_3_not_done(tmp_path):
     leave it absurd."""
     run_dir = tmp_path / "skipped"
     result = run_cli(
-        *FAST, "precision=fp16", "lowp.init_scale=1e38", "train.env_frames=160", f"run_dir={run_dir}", cwd=tmp_path
+        *FAST, "precision=fp16", "lowp.init_scale=1.0e+38", "train.env_frames=160", f"run_dir={run_dir}", cwd=tmp_path
     )
     assert result.returncode == EXIT_NUMERICAL, result.stdout[-2000:] + result.stderr[-3000:]
     assert "every one of the" in one_error_line(result.stderr) and "done:" not in result.stdout
