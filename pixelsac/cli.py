@@ -107,12 +107,13 @@ class RunFault(RuntimeError):
         self.exit_code = exit_code
 
 
-def describe_os_error(exc: OSError, then: str = "fix that, then run the command again") -> str:
-    """One line for a failed read or write: what failed, on which path, and ``then``, what to do."""
+def describe_os_error(exc: OSError, then: str = "fix that, then run the command again", where: str = "") -> str:
+    """One line for a failed read or write: what failed, on which path (``where`` when the error
+    names none: a write to an open file), and ``then``, what to do."""
     import errno as errnos
 
     first = root_os_error(exc)
-    path = first.filename or "(a file of this command)"
+    path = first.filename or (f"a file in {where}" if where else "a file this command writes")
     what = {
         errnos.ENOSPC: "no space left on device",
         errnos.EDQUOT: "disk quota exceeded",
@@ -122,6 +123,17 @@ def describe_os_error(exc: OSError, then: str = "fix that, then run the command 
         errnos.EIO: "input/output error",
     }.get(first.errno or 0, first.strerror or type(first).__name__)
     return f"{what}: {path}; {then}"
+
+
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """An OSError raised inside (a write to an open file names no file) names ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def root_os_error(exc: BaseException) -> OSError:

@@ -293,7 +293,15 @@ def write_run_dir(run: Run) -> None:
     from omegaconf import OmegaConf
 
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(stored_config(run.cfg)), run.run_dir / "config.yaml")
+    path = run.run_dir / "config.yaml"
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:  # a failed write (disk full) leaves the earlier config.yaml whole
+        with cli.naming(tmp):
+            OmegaConf.save(OmegaConf.create(stored_config(run.cfg)), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def claim_run_dir(run: Run, resume: Any = None) -> rundir.RunDirLock:
@@ -358,7 +366,7 @@ class LoggersAfterRestore(L.Callback):
 def _write_rows_atomically(path: Path, header: list[str], rows: list[dict[str, str]]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "w", newline="") as f:
+        with cli.naming(tmp), open(tmp, "w", newline="") as f:
             out = csv.DictWriter(f, fieldnames=header)
             out.writeheader()
             out.writerows(rows)

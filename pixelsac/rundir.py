@@ -54,9 +54,12 @@ class RunDirLock:
                 f"cannot lock run_dir {self.run_dir} ({os.strerror(exc.errno or 0)}): its filesystem "
                 "offers no file locks; choose a run_dir on one that does"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
         self._fd = fd
+        try:  # who holds it, for the refusal another process prints (the lock holds without it)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
+        except OSError:
+            pass
         return self
 
     def release(self) -> None:

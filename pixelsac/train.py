@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -268,7 +269,8 @@ def _command(argv: list[str], as_program: bool = False) -> int:
             stop.exit_code = train(cfg, stop=stop, resume=point).exit_code
         except OSError as exc:  # a write that failed while running: disk full, read-only...
             stop.exit_code = cli.EXIT_IO_FAULT
-            raise cli.RunFault(cli.describe_os_error(exc, AFTER_A_FAILED_WRITE), cli.EXIT_IO_FAULT) from exc
+            where = cfg.run_dir or os.environ.get("PIXELSAC_RUN_DIR", "the run directory")
+            raise cli.RunFault(cli.describe_os_error(exc, AFTER_A_FAILED_WRITE, where), cli.EXIT_IO_FAULT) from exc
         return stop.exit_code
 
 

@@ -287,6 +287,36 @@ def test_a_full_disk_during_a_save_is_one_line_exit_74_and_leaves_no_temporary_f
     assert not [p for p in run_dir.rglob("*.tmp")], list(run_dir.rglob("*"))
 
 
+def test_a_full_disk_at_resume_is_one_line_and_keeps_every_logged_row(tiny_fp32_run, tmp_path):
+    if not AS_ROOT:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "full"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        run_dir = copy_run(tiny_fp32_run, mount)
+        (run_dir / ".lock").write_text("pid 1 on host earlier\n")  # an earlier attempt's
+        rows = csv_rows(run_dir)
+        filler = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)  # the disk fills up
+        try:
+            while True:
+                os.write(filler, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(filler)
+        result = run_cli(f"run_dir={run_dir}", "resume=auto", "train.env_frames=640", cwd=tmp_path)
+        assert result.returncode == EXIT_IO_FAULT, result.stdout[-2000:] + result.stderr[-3000:]
+        line = one_error_line(result.stderr)
+        assert line.startswith("error: no space left on device: ") and str(run_dir) in line, line
+        assert csv_rows(run_dir) == rows
+        assert not [p for p in run_dir.rglob("*.tmp")], list(run_dir.rglob("*"))
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 def test_a_read_only_run_directory_is_refused_in_one_line(tiny_fp32_run, tmp_path):
     if AS_ROOT:  # root writes through permissions: a read-only mount
         mount = tmp_path / "ro"
