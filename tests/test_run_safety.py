@@ -89,8 +89,8 @@ def test_a_stored_trust_flag_and_a_file_swapped_after_the_check_run_no_code(tiny
     torch.save({**stored, "payload": RunsCode(str(marker))}, evil)
 
     result = subprocess.run(
-        [sys.executable, "-c", SWAP_THEN_TRAIN, swap_in, str(evil), str(last), f"resume={run_dir}"]
-        + ["train.env_frames=400", "trust_checkpoint=false"],
+        [sys.executable, "-c", SWAP_THEN_TRAIN, swap_in, str(evil), str(last)]
+        + [f"resume={run_dir}", "train.env_frames=400"],
         cwd=tmp_path,
         env=cli_env(),
         capture_output=True,
@@ -113,34 +113,32 @@ def test_a_stored_trust_flag_and_a_file_swapped_after_the_check_run_no_code(tiny
 
 # --- 2. one writer per run directory -------------------------------------------------------------
 
-HOLD_LOCK = """
-import sys, time
-from pathlib import Path
-from pixelsac.rundir import RunDirLock
-RunDirLock(Path(sys.argv[1])).acquire()
-print("locked", flush=True)
-time.sleep(600)
-"""
-
 
 def test_a_second_process_on_a_run_directory_exits_2_naming_the_holder_and_a_killed_holder_frees_it(
     tiny_fp32_run, tmp_path
 ):
     run_dir = copy_run(tiny_fp32_run, tmp_path)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_LOCK, str(run_dir)], env=cli_env(), stdout=subprocess.PIPE, text=True
+    command = [f"run_dir={run_dir}", "resume=auto", "train.env_frames=1280", "trainer.enable_progress_bar=false"]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "pixelsac.train", *command],
+        cwd=tmp_path,
+        env={**cli_env(), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
-        assert holder.stdout.readline().strip() == "locked"
-        size = (run_dir / "metrics.csv").stat().st_size
-        second = run_cli(f"run_dir={run_dir}", "resume=auto", "train.env_frames=640", cwd=tmp_path)
-        assert second.returncode == EXIT_BAD_INPUT, second.stderr[-3000:]
-        line = one_error_line(second.stderr)
-        assert f"is in use by pid {holder.pid} on host {socket.gethostname()}" in line, line
-        assert (run_dir / "metrics.csv").stat().st_size == size  # nothing written
+        for line in first.stdout:
+            if line.startswith("run directory:"):  # printed once the directory is locked
+                break
+        second = run_cli(*command, cwd=tmp_path)
+        assert first.poll() is None, "the first run ended before the second one tried"
     finally:
-        holder.send_signal(signal.SIGKILL)  # a hard kill: the kernel drops the lock
-        holder.wait()
+        first.send_signal(signal.SIGKILL)  # a hard kill: the kernel drops the lock
+        first.wait()
+    assert second.returncode == EXIT_BAD_INPUT, second.stdout[-2000:] + second.stderr[-3000:]
+    line = one_error_line(second.stderr)
+    assert f"is in use by pid {first.pid} on host {socket.gethostname()}" in line, line
     from pixelsac.rundir import RunDirLock
 
     RunDirLock(run_dir).acquire().release()  # the requeued job gets it
@@ -166,6 +164,13 @@ def test_two_fresh_starts_on_one_directory_one_is_refused(tmp_path):
 
 def test_an_older_best_ckpt_is_refused_as_a_resume_point_and_the_logs_stay(tiny_fp32_run, tmp_path):
     run_dir = copy_run(tiny_fp32_run, tmp_path)
+    # an older best.ckpt: from the evaluation at 160, its replay file deleted with a later last.ckpt
+    best = run_dir / "checkpoints" / "best.ckpt"
+    stored = torch.load(best, map_location="cpu", weights_only=True)
+    saved = stored["callbacks"]["Checkpointer"]
+    saved["replay_file"], saved["collector"]["env_frames"] = "replay-0000000020.pt", 160
+    stored["callbacks"]["Evaluator"]["last_eval_frames"] = 160
+    torch.save(stored, best)
     before = (run_dir / "metrics.csv").read_bytes()
     result = run_cli(f"resume={run_dir / 'checkpoints' / 'best.ckpt'}", "train.env_frames=640", cwd=tmp_path)
     assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]
