@@ -77,8 +77,10 @@ EXIT_CODES = (
     ),
 )
 
+#: The lock file of a run directory (see pixelsac.rundir).
+RUN_DIR_LOCK = ".lock"
 #: Files a folder may hold and still count as empty (the run directory's lock file).
-IGNORED_IN_EMPTY_DIRS = (".lock",)
+IGNORED_IN_EMPTY_DIRS = (RUN_DIR_LOCK,)
 
 #: Lightning's notes about choices pixelsac makes on purpose (a single-process iterable loader,
 #: ``training_step(dataloader_iter)``, a run directory that holds our config, ...).

@@ -22,10 +22,10 @@ import shutil
 import socket
 from pathlib import Path
 
-from pixelsac.cli import UsageError
+from pixelsac.cli import RUN_DIR_LOCK, UsageError
 
 #: The lock file in every run directory (``cli.out_dir_is_free`` does not count it as content).
-LOCK_NAME = ".lock"
+LOCK_NAME = RUN_DIR_LOCK
 
 
 class RunDirLock:
