@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ProgressBar as LightningProgressBar
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from pixelsac.checkpoint import save_atomically
 from pixelsac.collect import Collector, run_episodes
 from pixelsac.envs import DMCEnv
 from pixelsac.stopping import StopRequest
@@ -662,6 +663,4 @@ def _fsync_and_replace(tmp: Path, path: Path) -> None:
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    _fsync_and_replace(tmp, path)
+    save_atomically(obj, path)  # a failed write (disk full) is an OSError naming the file, no .tmp left

@@ -9,8 +9,11 @@ at the command line).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
-from dataclasses import dataclass
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,15 @@ class ResumePoint:
     final_eval_done: bool  # the evaluation at its last frame ran (the end of a run evaluates once more)
     stopped_by: str | None  # the signal whose stop wrote it
     pending_eval_frames: int | None = None  # an evaluation in flight when it was written (eval_in_worker)
+    # the checkpoint as loaded and checked: the resumed run restores from this dict, never from
+    # the file again (a file swapped after the check is never read)
+    loaded: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    identity: tuple[int, ...] | None = None  # file_identity() of the file when it was loaded
+
+    def unchanged(self) -> bool:
+        """The checkpoint file is still the one loaded (checked again once the run directory is
+        locked: a process that wrote the directory meanwhile replaced it)."""
+        return self.identity is None or file_identity(self.checkpoint) == self.identity
 
     def finished(self, budget_frames: int) -> bool:
         """Nothing left to do for a budget of ``budget_frames`` env frames."""
@@ -124,6 +136,16 @@ def saved_counters(checkpoint: dict[str, Any]) -> dict[str, int | None]:
     }
 
 
+def file_identity(path: Path) -> tuple[int, ...] | None:
+    """(device, inode, size, mtime): which file ``path`` names now (checkpoints are replaced by a
+    rename, so a new one has a new inode); None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def resume_point(file: Path, checkpoint: dict[str, Any]) -> ResumePoint:
     """What a loaded checkpoint says about resuming from it (frames are totals over ranks)."""
     saved = callback_state(checkpoint, "Checkpointer")
@@ -142,7 +164,109 @@ def resume_point(file: Path, checkpoint: dict[str, Any]) -> ResumePoint:
         final_eval_done=last_eval == total,
         stopped_by=saved.get("stopped_by"),
         pending_eval_frames=int(pending["frames"]) if pending else None,
+        loaded=checkpoint,
+        identity=file_identity(file),
     )
+
+
+def check_resumable(file: Path, checkpoint: dict[str, Any]) -> None:
+    """Refuse, in one line, a checkpoint a run cannot continue from, before anything is written.
+
+    ``best.ckpt`` is never a resume point: it holds the weights of the best evaluation for
+    ``python -m pixelsac.evaluate``, and the replay file it names is deleted when a later
+    ``last.ckpt`` is saved. The replay files a checkpoint names must be there and readable
+    (every member's CRC is checked: a truncated or corrupted file is refused here, not after the
+    logs were trimmed).
+    """
+    if file.name == "best.ckpt":
+        raise CheckpointError(
+            f"{file} is the best evaluation's checkpoint, for python -m pixelsac.evaluate, not a resume point "
+            f"(its replay file goes when a later last.ckpt is saved); resume from {file.with_name('last.ckpt')}"
+        )
+    saved = callback_state(checkpoint, "Checkpointer") or {}
+    names = [saved.get("replay_file")] + [rank.get("replay_file") for rank in saved.get("ranks") or [] if rank]
+    for name in dict.fromkeys(n for n in names if n):
+        check_replay_file(file.parent / name, file)
+
+
+def check_replay_file(path: Path, checkpoint_file: Path | str) -> None:
+    """A CheckpointError unless ``path`` is a complete torch file (zip members and their CRCs)."""
+    if not path.is_file():
+        raise CheckpointError(
+            f"{checkpoint_file} names replay file {path}, which is missing; restore it, or start a new run"
+        )
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise CheckpointError(
+            f"replay file {path} (named by {checkpoint_file}) is truncated or corrupt ({first_line(exc)})"
+        ) from None
+    if bad is not None:
+        raise CheckpointError(
+            f"replay file {path} (named by {checkpoint_file}) is corrupt (member {bad} fails its CRC check)"
+        )
+
+
+def write_file(obj: Any, path: Path) -> None:
+    """``torch.save`` into ``path`` itself (no temporary folder elsewhere, no copy across
+    filesystems) through a Python file, so that a failed write is an OSError naming ``path``
+    (torch's own writer reports a bare RuntimeError) and leaves no partial file behind."""
+    path = Path(path)
+    try:
+        with open(path, "wb") as f:
+            sink = _RecordingWriter(f)
+            try:
+                torch.save(obj, sink)
+            except RuntimeError as exc:  # torch's writer hides why a write failed; the sink saw it
+                if sink.error is not None:
+                    raise sink.error from exc
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        if isinstance(exc, OSError) and not exc.filename:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
+
+
+class _RecordingWriter:
+    """A binary file for ``torch.save`` that keeps the OSError of a failed write."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_atomically(obj: Any, path: Path) -> None:
+    """Write ``obj`` as ``.<name>.tmp`` beside ``path``, fsync, rename over ``path`` and fsync the
+    folder: readers see the old file or the new one, never a part; a failed write leaves no
+    temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_file(obj, tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _load_trusted(file: Path, map_location: str | torch.device) -> dict[str, Any]:

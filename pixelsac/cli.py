@@ -1,10 +1,14 @@
 """What every command-line entry point shares (``train``, ``evaluate``, ``bench``).
 
-* Exit codes: 0 done, :data:`EXIT_BAD_INPUT` (2) for anything the user can fix -- an unknown
-  key, a wrong type, an unknown task, a missing file, an unusable checkpoint, no OpenGL -- said
-  in one ``error: ...`` line before anything is written, :data:`EXIT_NUMERICAL_FAILURE` (3) for
-  a run stopped by non-finite numbers, :data:`EXIT_STOPPED` (75) for a run stopped by a signal
-  with its work saved. :func:`run_command` maps the exceptions to them, once for all three.
+* Exit codes, all defined here (:data:`EXIT_CODES` is the table the README shows): 0 done,
+  :data:`EXIT_BAD_INPUT` (2) for anything the user can fix -- an unknown key, a wrong type, a
+  value out of range, an unknown task, a missing file, an unusable checkpoint, no OpenGL, a run
+  directory in use or not writable -- said in one ``error: ...`` line before anything is written,
+  :data:`EXIT_NUMERICAL_FAILURE` (3) for a run stopped by non-finite numbers or whose every
+  update was skipped, :data:`EXIT_INCOMPLETE` (4) for a run that ended short of its budget
+  without a signal, :data:`EXIT_IO_FAULT` (74) for a write that failed while running (disk full,
+  read-only filesystem), :data:`EXIT_STOPPED` (75) for a run stopped by a signal with its work
+  saved. :func:`run_command` maps the exceptions to them, once for all entry points.
 * :func:`resolve_device` (``auto``/``cpu``/``cuda[:N]``), :func:`env_from_config` (the env a
   configuration describes), :func:`check_out_dir` (the "folder not empty" refusal) and
   :func:`quiet_lightning` (Lightning's start-up chatter off).
@@ -25,11 +29,58 @@ from typing import Any
 
 from pixelsac.config import ConfigError
 
+EXIT_DONE = 0
 EXIT_BAD_INPUT = 2
 EXIT_NUMERICAL_FAILURE = 3
+#: The run ended short of train.env_frames without a stop signal (a limit outside pixelsac's
+#: budget ended it); its last checkpoint stands and resume=auto continues it.
+EXIT_INCOMPLETE = 4
+#: A write failed while running (EX_IOERR): disk full, read-only filesystem, I/O error. The last
+#: complete checkpoint stands; no temporary file is left.
+EXIT_IO_FAULT = 74
 #: A run stopped by a signal, its work saved (or nothing new to save): EX_TEMPFAIL, "try again
 #: later" -- run the same command with resume=auto (or resume=RUN_DIR) to continue.
 EXIT_STOPPED = 75
+
+#: (code, meaning, an example of the line printed) -- the exit codes of every entry point.
+EXIT_CODES = (
+    (EXIT_DONE, "done: the budget trained and evaluated", "done: 320 env frames, 24 updates, best eval return ..."),
+    (
+        EXIT_BAD_INPUT,
+        "bad input, nothing written: a key, value, task, checkpoint or run directory to fix",
+        "error: agent.lr=nan must be a finite number",
+    ),
+    (
+        EXIT_NUMERICAL_FAILURE,
+        "stopped by non-finite numbers, or every update was skipped",
+        "error: every one of the 24 critic updates was skipped ...",
+    ),
+    (
+        EXIT_INCOMPLETE,
+        "ended short of train.env_frames without a signal; resume=auto continues",
+        "error: the run ended at env frame 515 of train.env_frames=1500 ...",
+    ),
+    (
+        EXIT_IO_FAULT,
+        "a write failed while running (disk full, read-only); the last checkpoint stands",
+        "error: no space left on device: R/checkpoints/.last.ckpt.tmp ...",
+    ),
+    (
+        EXIT_STOPPED,
+        "stopped by a signal, work saved; the same command with resume=auto continues",
+        "stopped by SIGTERM after update 12 at env frame 224: saved R/checkpoints/last.ckpt ...",
+    ),
+    (
+        128,
+        "128 + N: a second signal N during the save (third otherwise) exits at once; the previous checkpoint stands",
+        "pixelsac: SIGINT again: exiting now with code 130 ...",
+    ),
+)
+
+#: The lock file of a run directory (see pixelsac.rundir).
+RUN_DIR_LOCK = ".lock"
+#: Files a folder may hold and still count as empty (the run directory's lock file).
+IGNORED_IN_EMPTY_DIRS = (RUN_DIR_LOCK,)
 
 #: Lightning's notes about choices pixelsac makes on purpose (a single-process iterable loader,
 #: ``training_step(dataloader_iter)``, a run directory that holds our config, ...).
@@ -48,6 +99,57 @@ _LIGHTNING_CHATTER = (
 
 class UsageError(ValueError):
     """A problem with what the user asked for (exit code 2)."""
+
+
+class RunFault(RuntimeError):
+    """A run that cannot go on or cannot claim success, in one line, with its exit code."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def describe_os_error(exc: OSError, then: str = "fix that, then run the command again", where: str = "") -> str:
+    """One line for a failed read or write: what failed, on which path (``where`` when the error
+    names none: a write to an open file), and ``then``, what to do."""
+    import errno as errnos
+
+    first = root_os_error(exc)
+    path = first.filename or (f"a file in {where}" if where else "a file this command writes")
+    what = {
+        errnos.ENOSPC: "no space left on device",
+        errnos.EDQUOT: "disk quota exceeded",
+        errnos.EROFS: "read-only file system",
+        errnos.EACCES: "permission denied",
+        errnos.EPERM: "operation not permitted",
+        errnos.EIO: "input/output error",
+    }.get(first.errno or 0, first.strerror or type(first).__name__)
+    return f"{what}: {path}; {then}"
+
+
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[None]:
+    """An OSError raised inside (a write to an open file names no file) names ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def root_os_error(exc: BaseException) -> OSError:
+    """The first OSError in ``exc``'s chain (a failed write raised in cleanup hides the one that
+    caused it), preferring one that names a file."""
+    chain: list[OSError] = []
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            chain.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    named = [e for e in chain if e.filename]
+    return (named or chain)[-1]
 
 
 def wants_help(argv: Sequence[str]) -> bool:
@@ -74,6 +176,12 @@ def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, us
     except _bad_input_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RunFault as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return EXIT_IO_FAULT
     except Exception as exc:
         # Looked up, not imported: pixelsac.precision loads torch, which a mistyped key should not
         # wait for, and a run that never imported it cannot have raised its NumericalFailure.
@@ -129,8 +237,8 @@ def env_from_config(config: Any, seed: int) -> Any:
 
 
 def out_dir_is_free(path: Path) -> bool:
-    """Nothing there yet, or an empty folder."""
-    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+    """Nothing there yet, or an empty folder (a lock file alone counts as empty)."""
+    return not path.exists() or (path.is_dir() and not any(p.name not in IGNORED_IN_EMPTY_DIRS for p in path.iterdir()))
 
 
 def check_out_dir(

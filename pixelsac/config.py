@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -117,6 +118,15 @@ _LOWER_BOUNDS: dict[str, float] = {
     "train.progress_every_seconds": 0.0,
 }
 _UNIT_INTERVAL = ("agent.discount", "agent.critic_tau", "agent.beta1", "agent.beta2")
+#: Float keys where infinity means something ("never", "however long"); NaN is refused everywhere.
+_INFINITY_ALLOWED = ("stop.max_wait_seconds", "train.progress_every_seconds")
+#: numpy's (and dm_control's) seeds are 0..2**32-1; a run derives seeds above ``seed`` (see above).
+MAX_NUMPY_SEED = 2**32 - 1
+#: Lightning limits that would end ``fit`` before ``train.env_frames`` (the budget) is collected,
+#: with the value that leaves the budget alone.
+_EARLY_ENDING_TRAINER_KEYS = {"max_steps": -1, "max_time": None, "limit_train_batches": None}
+#: Keys that hold for one invocation only: never stored in a run's config.yaml or checkpoints.
+INVOCATION_ONLY_KEYS = ("trust_checkpoint",)
 
 
 class ConfigError(ValueError):
@@ -385,6 +395,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.perf.compile_mode not in COMPILE_MODES:
         raise ConfigError(f"perf.compile_mode={cfg.perf.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
     stop_signal_names(cfg.stop.signals)
+    _check_finite(cfg)
     if cfg.resume == "auto" and not cfg.run_dir:
         raise ConfigError(
             "resume=auto needs run_dir=DIR: the directory the job writes to and, when it already "
@@ -403,6 +414,61 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"env.image_size={cfg.env.image_size} is too small for {cfg.agent.num_conv_layers} conv layers"
         )
+    if not cfg.agent.log_std_min < cfg.agent.log_std_max:
+        raise ConfigError(
+            f"agent.log_std_min={cfg.agent.log_std_min} must be below agent.log_std_max={cfg.agent.log_std_max}"
+        )
+    _check_seed(cfg)
+    _check_trainer_limits(cfg)
+
+
+def _check_finite(cfg: DictConfig) -> None:
+    """NaN nowhere, infinity only where it means "never" (:data:`_INFINITY_ALLOWED`): a NaN
+    passes every ``<``/``>`` check (they are all False), so it is caught here, first."""
+    for key, value in _flatten(OmegaConf.to_container(cfg, resolve=True)).items():
+        if not isinstance(value, float) or math.isfinite(value):
+            continue
+        if math.isnan(value) or key not in _INFINITY_ALLOWED:
+            raise ConfigError(f"{key}={value} must be a finite number")
+
+
+def derived_seed_span(cfg: DictConfig) -> int:
+    """How far above ``seed`` the run's derived seeds reach: the report episodes of
+    ``pixelsac.evaluate`` (+REPORT_SEED_OFFSET), or the last env of the last data-parallel rank."""
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    ranks = devices * nodes if isinstance(devices, int) and isinstance(nodes, int) and devices > 0 else 1
+    return max(REPORT_SEED_OFFSET, EVAL_SEED_OFFSET, RANK_SEED_STRIDE * (ranks - 1) + cfg.env.num_envs - 1)
+
+
+def _check_seed(cfg: DictConfig) -> None:
+    highest = MAX_NUMPY_SEED - derived_seed_span(cfg)
+    if not 0 <= cfg.seed <= highest:
+        raise ConfigError(
+            f"seed={cfg.seed} is out of range: choose 0..{highest} (numpy takes seeds 0..{MAX_NUMPY_SEED}, "
+            f"and this run also uses seeds up to seed + {derived_seed_span(cfg)})"
+        )
+
+
+def _check_trainer_limits(cfg: DictConfig) -> None:
+    """``train.env_frames`` is the budget: a Lightning limit that would end the run sooner (and
+    let it print "done" short of its budget) is refused."""
+    for key, neutral in _EARLY_ENDING_TRAINER_KEYS.items():
+        value = cfg.trainer.get(key, neutral)
+        if value != neutral and not (key == "limit_train_batches" and value in (1.0, 1)):
+            raise ConfigError(
+                f"trainer.{key}={value} would end the run before train.env_frames={cfg.train.env_frames}; "
+                f"train.env_frames is the budget: set it instead (and leave trainer.{key} "
+                f"{'unset' if neutral is None else f'at {neutral}'})"
+            )
+
+
+def stored_config(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
+    """What a run stores of its configuration (config.yaml, checkpoints): everything but the
+    :data:`INVOCATION_ONLY_KEYS`, which an invocation grants itself on its own command line."""
+    plain = to_plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
+    for key in INVOCATION_ONLY_KEYS:
+        plain.pop(key, None)
+    return plain
 
 
 def load_options(

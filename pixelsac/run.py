@@ -20,11 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import numpy as np
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from pixelsac import cli
+from pixelsac import cli, rundir
 from pixelsac.cli import UsageError
-from pixelsac.config import EVAL_SEED_OFFSET, RANK_SEED_STRIDE, ConfigError, to_plain
+from pixelsac.config import EVAL_SEED_OFFSET, RANK_SEED_STRIDE, ConfigError, stored_config
 
 
 @dataclass
@@ -60,8 +64,6 @@ def make_trainer(cfg: Any) -> Any:
     ``strategy=ddp`` becomes DDP with ``find_unused_parameters``: SAC backpropagates three losses
     per step, each through a different part of the module.
     """
-    import lightning as L
-
     args = dict(cfg.trainer)
     strategy = args.get("strategy", "auto")
     if isinstance(strategy, str) and strategy in SPAWNING_STRATEGIES:
@@ -99,15 +101,24 @@ def shared_run_dir(cfg: Any, rank: int) -> Path:
     return run_dir
 
 
-def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, resume_world: int | None = None) -> Run:
-    """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing.
+def build_run(
+    cfg: Any,
+    resume_from: Path | None = None,
+    *,
+    stop: Any = None,
+    resume_world: int | None = None,
+    loaded: dict[str, Any] | None = None,
+) -> Run:
+    """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing (nothing
+    beyond what it checks: the replay fits in memory, the run directory can be written).
 
     With several processes (``trainer.devices``/``num_nodes``), each rank owns its environments,
     replay buffer and seed stream (seeds offset by 1000 per rank); the weights start identical.
     ``stop`` (a :class:`pixelsac.stopping.StopRequest`) adds the stop-on-signal callback;
-    ``resume_world`` is the number of ranks that wrote the checkpoint resumed from.
+    ``resume_world`` is the number of ranks that wrote the checkpoint resumed from; ``loaded``
+    is that checkpoint as already loaded and checked, which the Trainer restores from instead of
+    reading ``resume_from`` again (see :class:`RunDirCheckpointIO`).
     """
-    import lightning as L
     import torch
     from lightning.pytorch.callbacks import TQDMProgressBar
     from torch.utils.data import DataLoader
@@ -128,6 +139,7 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
     from pixelsac.stopping import StopOnSignal
 
     trainer = make_trainer(cfg)
+    trainer.strategy.checkpoint_io = RunDirCheckpointIO(resume_from, loaded)
     rank, world = trainer.global_rank, trainer.world_size
     if resume_world is not None and resume_world != world:
         raise UsageError(
@@ -144,6 +156,8 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
         if conflict:
             raise ConfigError(conflict)
     run_dir = shared_run_dir(cfg, rank)
+    if rank == 0:
+        rundir.check_writable(run_dir)
     if rank == 0 and resume_from is None and cfg.resume != "auto":
         cli.check_out_dir(run_dir, cfg.overwrite, "run_dir", hint=f"resume={run_dir}")
     elif rank == 0 and resume_from is None and not cfg.overwrite and not cli.out_dir_is_free(run_dir):
@@ -168,6 +182,11 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
             f"= {seed_frames} frames), so no update would run; raise train.env_frames or lower "
             "train.seed_steps"
         )
+    try:
+        check_replay_fits(cfg, eval_env, replay_device, world)
+    except ConfigError:
+        eval_env.close()
+        raise
     rank_seed = cfg.seed + RANK_SEED_STRIDE * rank
     seeds = [rank_seed + i for i in range(cfg.env.num_envs)]
     env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1, **cli.env_kwargs(cfg))
@@ -182,7 +201,7 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
         device=replay_device,
         pin_memory=pin_memory,
     )
-    module = SACModule(to_plain(cfg), env.obs_shape, env.action_dim)
+    module = SACModule(stored_config(cfg), env.obs_shape, env.action_dim)
     if rank > 0:  # identical initial weights everywhere; each rank augments and samples its own way
         torch.manual_seed(rank_seed)
     rng = np.random.default_rng(rank_seed)
@@ -202,7 +221,7 @@ def build_run(cfg: Any, resume_from: Path | None = None, *, stop: Any = None, re
 
         # the same threads as here: the conv kernels, hence the actions, may depend on them
         eval_worker = EvalWorker(
-            to_plain(cfg), env.obs_shape, env.action_dim, cfg.seed + EVAL_SEED_OFFSET, torch.get_num_threads()
+            stored_config(cfg), env.obs_shape, env.action_dim, cfg.seed + EVAL_SEED_OFFSET, torch.get_num_threads()
         )
     episode_steps = -(-cfg.env.episode_frames // env.action_repeat) * cfg.env.num_envs
     checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps, stop=stop)
@@ -262,34 +281,212 @@ def progress_is_a_terminal() -> bool:
 
 
 def attach_loggers(run: Run, resume_frames: int | None, pending_eval_frames: int | None = None) -> None:
-    """CSV (``metrics.csv``) and TensorBoard (``tb/``) loggers in the run directory. On resume
-    the CSV keeps its rows up to the checkpoint's frame (later ones were never checkpointed),
-    less the row of an evaluation the checkpoint holds as in flight (the resumed run logs it)."""
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    metrics = run.run_dir / "metrics.csv"
-    header, kept_rows = _rows_until(metrics, resume_frames) if resume_frames is not None else ([], [])
-    if pending_eval_frames is not None:
-        kept_rows = [
-            row for row in kept_rows if not (row.get("eval/return") and float(row["step"]) >= pending_eval_frames)
-        ]
-    csv_logger = CSVLogger(run.run_dir, name="", version="")
-    writer = csv_logger.experiment  # deletes an existing metrics.csv: the kept rows go back below
-    if header:
-        with open(metrics, "w", newline="") as f:
-            out = csv.DictWriter(f, fieldnames=header)
-            out.writeheader()
-            out.writerows(kept_rows)
-        writer.metrics_keys = sorted(header)
-    loggers = [csv_logger, TensorBoardLogger(run.run_dir, name="tb", version="")]
-    run.trainer.loggers = loggers  # the Trainer was built without them so that nothing was written early
+    """CSV (``metrics.csv``) and TensorBoard (``tb/``) loggers in the run directory, attached
+    once ``fit`` has restored the checkpoint and its replay (:class:`LoggersAfterRestore`): a
+    resume that fails to load leaves the logs as they were. On resume the CSV keeps its rows up
+    to the checkpoint's frame (later ones were never checkpointed), less the row of an evaluation
+    the checkpoint holds as in flight (the resumed run logs it)."""
+    run.trainer.callbacks.insert(0, LoggersAfterRestore(run.run_dir, resume_frames, pending_eval_frames))
 
 
 def write_run_dir(run: Run) -> None:
     from omegaconf import OmegaConf
 
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(run.cfg, run.run_dir / "config.yaml", resolve=True)
+    path = run.run_dir / "config.yaml"
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:  # a failed write (disk full) leaves the earlier config.yaml whole
+        with cli.naming(tmp):
+            OmegaConf.save(OmegaConf.create(stored_config(run.cfg)), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def claim_run_dir(run: Run, resume: Any = None) -> rundir.RunDirLock:
+    """Lock the run directory (rank 0; held to the process's end) and check, under the lock, that
+    it is still what the run was planned on: the checkpoint resumed from is the file loaded, and a
+    fresh start finds no checkpoint another process wrote meanwhile. Then ``overwrite=true``
+    removes the earlier run's checkpoints, before anything else is written."""
+    from pixelsac import checkpoint as ckpt
+
+    lock = rundir.RunDirLock(run.run_dir).acquire()
+    try:
+        if resume is not None and not resume.unchanged():
+            raise UsageError(
+                f"{resume.checkpoint} changed after it was loaded (another process wrote {run.run_dir}); "
+                "run the command again"
+            )
+        if resume is None and run.resume_from is None and not run.cfg.overwrite:
+            found = ckpt.in_run_dir(run.run_dir)
+            if found is not None:
+                raise UsageError(
+                    f"{found} appeared after this run checked {run.run_dir} (another process wrote it); "
+                    f"run the command again with resume=auto, or choose another run_dir=..."
+                )
+        if resume is None and run.resume_from is None and run.cfg.overwrite:
+            rundir.clear_checkpoints(run.run_dir)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+class LoggersAfterRestore(L.Callback):
+    """Gives the Trainer its loggers in ``on_fit_start``: after ``fit`` restored the module and
+    callbacks (the Checkpointer's replay included) and before anything logs. Until then the run
+    directory's ``metrics.csv`` and ``tb/`` are untouched. The kept rows are written atomically
+    (temporary file, rename), so a fault mid-write leaves the old file whole."""
+
+    def __init__(self, run_dir: Path, resume_frames: int | None, pending_eval_frames: int | None) -> None:
+        self.run_dir, self.resume_frames, self.pending_eval_frames = Path(run_dir), resume_frames, pending_eval_frames
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        metrics = self.run_dir / "metrics.csv"
+        header: list[str] = []
+        if trainer.is_global_zero:
+            header, kept_rows = _rows_until(metrics, self.resume_frames) if self.resume_frames is not None else ([], [])
+            if self.pending_eval_frames is not None:
+                kept_rows = [
+                    row
+                    for row in kept_rows
+                    if not (row.get("eval/return") and float(row["step"]) >= self.pending_eval_frames)
+                ]
+            if header:
+                _write_rows_atomically(metrics, header, kept_rows)
+            else:
+                metrics.unlink(missing_ok=True)  # a fresh start: rows of an attempt that saved nothing go
+        csv_logger = KeptRowsCSVLogger(self.run_dir, name="", version="")
+        if header:
+            csv_logger.experiment.metrics_keys = sorted(header)
+        trainer.loggers = [csv_logger, TensorBoardLogger(self.run_dir, name="tb", version="")]
+
+
+def _write_rows_atomically(path: Path, header: list[str], rows: list[dict[str, str]]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with cli.naming(tmp), open(tmp, "w", newline="") as f:
+            out = csv.DictWriter(f, fieldnames=header)
+            out.writeheader()
+            out.writerows(rows)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class KeptRowsWriter(ExperimentWriter):
+    """Lightning's CSV writer, less the deletion of an existing metrics.csv when it is created:
+    :class:`LoggersAfterRestore` has just written the rows a resumed run keeps there."""
+
+    def _check_log_dir_exists(self) -> None:
+        pass
+
+
+class KeptRowsCSVLogger(CSVLogger):
+    """Lightning's CSV logger with :class:`KeptRowsWriter`."""
+
+    @property
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = KeptRowsWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+class RunDirCheckpointIO(TorchCheckpointIO):
+    """How the Trainer reads and writes checkpoints in a pixelsac run.
+
+    Writing: straight into the path given (the Checkpointer's temporary name in the run
+    directory, which it then renames), with :func:`pixelsac.checkpoint.write_file` -- not
+    Lightning's default, which builds the file under the system temporary folder and copies it
+    across filesystems, and whose failures are tracebacks. Reading: the checkpoint a resumed run
+    continues from was loaded and checked once already (weights-only, or trusted because the
+    command line said so); that dict is what the Trainer restores, so a file swapped in after the
+    check is never read. Any other path is read weights-only.
+    """
+
+    def __init__(self, resume_from: Path | None = None, loaded: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self._resume_from = Path(resume_from) if resume_from is not None else None
+        self._loaded = loaded
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        from pixelsac.checkpoint import write_file
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_file(checkpoint, Path(path))
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._loaded is not None and self._resume_from is not None and Path(path) == self._resume_from:
+            loaded, self._loaded = self._loaded, None  # handed over once; the Trainer holds it from here
+            return loaded
+        return super().load_checkpoint(path, weights_only=True)
+
+
+def check_replay_fits(cfg: Any, env: Any, device: Any, world: int) -> None:
+    """A ConfigError, with the bytes it would need, for a replay this machine cannot hold.
+
+    A device ring is allocated in full at once; host rings are mapped lazily and fill as the run
+    collects, so they are checked twice: the whole ring against what the machine has (RAM +
+    swap, or the container's limit: more cannot even be reserved) and the part this run's budget
+    fills against the memory available now."""
+    frame_bytes = int(np.prod(env.frame_shape)) * np.dtype(env.frame_dtype).itemsize
+    # one slot: a frame, its action (float32), reward (float32), terminal and episode-start flags
+    slot_bytes = frame_bytes + 4 * env.action_dim + 4 + 1 + 1
+    slots = int(cfg.replay.capacity)
+    need = slots * slot_bytes
+    agent_steps = -(-cfg.train.env_frames // (env.action_repeat * world))
+    episode_steps = -(-cfg.env.episode_frames // env.action_repeat)
+    filled = min(slots, agent_steps + agent_steps // max(episode_steps, 1) + 2 * cfg.env.num_envs) * slot_bytes
+    what = f"replay.capacity={slots:,} needs {_bytes(need)} ({slots:,} slots x {slot_bytes:,} B)"
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        if need > free:
+            raise ConfigError(f"{what} on {device}, which has {_bytes(free)} free: lower replay.capacity")
+        return
+    total, available = host_memory()
+    if total is not None and need > total:
+        raise ConfigError(f"{what} of host memory; this machine has {_bytes(total)} in all: lower replay.capacity")
+    if available is not None and filled > available:
+        raise ConfigError(
+            f"{what}; this run's budget fills {_bytes(filled)} of it and {_bytes(available)} of host memory is "
+            "available: lower replay.capacity (or train.env_frames)"
+        )
+
+
+def host_memory() -> tuple[int | None, int | None]:
+    """(RAM + swap, or the cgroup's limit when lower; memory available now), in bytes; None where
+    the system does not say (not Linux)."""
+    info: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            info[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None, None
+    total = info.get("MemTotal", 0) + info.get("SwapTotal", 0) or None
+    available = info.get("MemAvailable")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = int(Path(limit_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        total = min(total, limit) if total else limit
+        available = min(available, limit) if available is not None else limit
+        break
+    return total, available
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def _rows_until(metrics: Path, frames: int) -> tuple[list[str], list[dict[str, str]]]:

@@ -23,6 +23,10 @@ acts on it between updates (:class:`StopOnSignal`):
 A second signal skips the wait and saves at once. A second signal while a checkpoint is being
 written, or a third one, exits at once with code 128 + the signal's number (130 for Ctrl-C):
 saves are atomic (temporary name, fsync, rename), so the checkpoint before stays loadable.
+Once the run has ended -- saved and its exit code decided -- a command-line process keeps the
+handlers to the end (``handle_stop_signals(..., linger=True)``): a signal during the teardown
+that follows (loggers, worker processes, the interpreter's exit) is noted in one line and
+changes nothing; 75 stays 75 (a third such signal exits at once with that same code).
 
 Lightning's own SIGTERM handling is switched off for the run: in Lightning 2.6 it broadcasts from
 rank 0 inside the signal handler -- a collective that hangs when another rank got the signal --
@@ -31,6 +35,7 @@ and raises SystemExit at the next batch, which would skip the save.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -78,6 +83,9 @@ class StopRequest:
         self.saving = False
         self.stopped = False
         self.gave_up_final_evaluation = False
+        self.ended = False  # the run is over: later signals are noted and ignored (see linger)
+        self.exit_code: int | None = None  # what the ended run exits with (set by the entry point)
+        self._late = 0
         self.signals: list[signal.Signals] = []
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -89,6 +97,13 @@ class StopRequest:
     def handle(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler (Python runs it in the main thread, between bytecodes)."""
         name = signal.Signals(signum).name
+        if self.ended:
+            self._late += 1
+            if self._late >= 3 and self.exit_code is not None:  # a teardown that hangs still ends, same code
+                _say(f"{name} a third time after the run ended: exiting now with code {self.exit_code}")
+                os._exit(self.exit_code)
+            _say(f"{name} after the run ended: ignored, the exit code stands (three times: exit at once)")
+            return
         self.count += 1
         if self.count == 1:
             self.signal_name, self.received_at = name, time.monotonic()
@@ -126,6 +141,19 @@ class StopRequest:
             if signal.getsignal(signum) != self.handle:
                 signal.signal(signum, self.handle)
 
+    def linger(self) -> None:
+        """The run has ended: from now to the process's exit a stop signal is noted and ignored.
+        At exit (the first ``atexit`` hook to run: registered last) the signals become ignored
+        outright, because Python puts back the default handlers while it finalizes, and a signal
+        in the C-level teardown after that (GL contexts, libraries) would kill the process."""
+        self.ended = True
+        atexit.register(self._ignore_to_the_end)
+
+    def _ignore_to_the_end(self) -> None:
+        for signum in self.signals:
+            if signal.getsignal(signum) == self.handle:
+                signal.signal(signum, signal.SIG_IGN)
+
     def restore(self) -> None:
         """The handlers from before :meth:`install`."""
         for signum, previous in self._previous.items():
@@ -134,15 +162,20 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def handle_stop_signals(signals: str | None) -> Iterator[StopRequest]:
+def handle_stop_signals(signals: str | None, linger: bool = False) -> Iterator[StopRequest]:
     """Catch ``stop.signals`` (a comma-separated string, or None for the OS defaults) for the
-    duration of the block; yields the :class:`StopRequest` they fill in."""
+    duration of the block; yields the :class:`StopRequest` they fill in. With ``linger`` (a
+    process whose exit follows, e.g. the command line) the handlers stay after the block and
+    ignore what arrives: the run's outcome and exit code are decided."""
     request = StopRequest()
     request.install(stop_signal_names(signals))
     try:
         yield request
     finally:
-        request.restore()
+        if linger:
+            request.linger()
+        else:
+            request.restore()
 
 
 @dataclass(frozen=True)

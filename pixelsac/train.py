@@ -7,9 +7,17 @@
     python -m pixelsac.train task=walker_walk run_dir=runs/walker_s1 resume=auto   # a job that may be requeued
 
 Arguments are ``key=value`` overrides of ``conf/config.yaml`` (see the README). A mistake in
-them, an unknown task, a missing OpenGL library or an unusable checkpoint is reported in one
-line with exit code 2, before anything is written. A run stopped by a numerical failure (non-
-finite weights, a collapsed loss scale) exits with code 3 after saying why.
+them (a value out of range, NaN, a replay larger than memory), an unknown task, a missing
+OpenGL library, an unusable checkpoint (``best.ckpt``, a missing or corrupt replay file) or a
+run directory that another process holds or that cannot be written is reported in one line
+with exit code 2, before anything is written. A run stopped by a numerical failure (non-finite
+weights, a collapsed loss scale, every update skipped) exits with code 3 after saying why; a
+write that fails while running (disk full) with code 74, in one line naming the file. The exit
+codes are listed in ``pixelsac.cli.EXIT_CODES``.
+
+One process writes a run directory: it holds ``RUN_DIR/.lock`` (``fcntl.flock``, released by
+the kernel however the process ends). ``trust_checkpoint=true`` holds for the one checkpoint
+this command loads; it is never stored, and a stored one is ignored with a warning.
 
 SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (``stop.signals``) stop a run after its current update:
 it saves ``last.ckpt`` and its replay file -- at the episode boundary when that is near, for
@@ -21,15 +29,22 @@ checkpoint and starts there otherwise; a run whose budget is already reached exi
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from pixelsac import cli
-from pixelsac.config import ConfigError, load_config, parse_overrides
+from pixelsac.config import INVOCATION_ONLY_KEYS, ConfigError, load_config, parse_overrides
 
 USAGE = __doc__
+#: What the one line of a failed write says after naming it.
+AFTER_A_FAILED_WRITE = (
+    "the last complete checkpoint stands and no partial file is left: free the space or fix the filesystem, "
+    "then run the same command with resume=auto to continue"
+)
 
 
 def resolve_config(argv: list[str]) -> tuple[Any, Path | None, int | None]:
@@ -46,7 +61,9 @@ def resolve_run(argv: list[str]) -> tuple[Any, Any]:
     hardware, stop and safety keys; other keys may only repeat their stored values) and writes
     into the checkpoint's run directory. ``resume=auto`` resumes from ``run_dir``'s checkpoint
     when there is one and is a fresh run otherwise -- the same command for a job's first start
-    and every requeue. The second value is a :class:`pixelsac.checkpoint.ResumePoint` or None.
+    and every requeue. The second value is a :class:`pixelsac.checkpoint.ResumePoint` or None;
+    it carries the checkpoint as loaded here, the only time it is read (trusted only when this
+    command line says ``trust_checkpoint=true``).
     """
     from pixelsac import checkpoint as ckpt
     from pixelsac.envs import available_tasks
@@ -66,8 +83,11 @@ def resolve_run(argv: list[str]) -> tuple[Any, Any]:
         return load_config(argv, valid_tasks=available_tasks()), None
     else:
         file = ckpt.resolve(str(resume), prefer="last")
-    stored = ckpt.load(file, trust=bool(given.get("trust_checkpoint", False)))
-    base = dict(stored["hyper_parameters"]["config"])
+    if file.name == "best.ckpt":  # refused before it is even read
+        ckpt.check_resumable(file, {})
+    stored = ckpt.load(file, trust=given.get("trust_checkpoint") is True)
+    ckpt.check_resumable(file, stored)
+    base = stored_base_config(file, stored)
     base["run_dir"] = (
         str(run_dir)
         if resume == "auto"
@@ -75,6 +95,20 @@ def resolve_run(argv: list[str]) -> tuple[Any, Any]:
     )
     cfg = load_config(argv, valid_tasks=available_tasks(), base=base)
     return cfg, ckpt.resume_point(file, stored)
+
+
+def stored_base_config(file: Path, stored: dict[str, Any]) -> dict[str, Any]:
+    """The configuration a checkpoint stores, less what holds for one invocation only: a stored
+    ``trust_checkpoint`` (written by versions before this rule) is dropped with a warning."""
+    base = dict(stored["hyper_parameters"]["config"])
+    for key in INVOCATION_ONLY_KEYS:
+        if base.pop(key, None):
+            print(
+                f"warning: {file} stores {key}=true; ignored: trust is given on the command line only, "
+                "for the one checkpoint that command loads",
+                file=sys.stderr,
+            )
+    return base
 
 
 def train(
@@ -86,19 +120,41 @@ def train(
     run early with its work saved. Returns the :class:`pixelsac.run.Run`; ``run.exit_code`` says
     how it ended."""
     from pixelsac import run as runs
-    from pixelsac.precision import NumericalFailure
 
     if resume is not None:
         resume_from, resume_frames = resume.checkpoint, resume.env_frames
-    run = runs.build_run(cfg, resume_from, stop=stop, resume_world=resume.world_size if resume else None)
+    run = runs.build_run(
+        cfg,
+        resume_from,
+        stop=stop,
+        resume_world=resume.world_size if resume else None,
+        loaded=resume.loaded if resume else None,
+    )
     zero = run.trainer.global_rank == 0
-    if zero:
-        runs.write_run_dir(run)
-    with cli.quiet_lightning():
-        pending = resume.pending_eval_frames if resume is not None else None
-        runs.attach_loggers(run, resume_frames if zero else None, pending)
-    policy = run.module.precision_policy
     say = print if zero else (lambda *args, **kwargs: None)  # one voice under data parallelism
+    lock = None
+    try:
+        if zero:  # held while this process writes the directory
+            lock = runs.claim_run_dir(run, resume)
+            runs.write_run_dir(run)
+        with cli.quiet_lightning():
+            pending = resume.pending_eval_frames if resume is not None else None
+            runs.attach_loggers(run, resume_frames if zero else None, pending)
+        _fit(run, resume_from, resume_frames, resume, say)
+    finally:
+        _close(run)
+        if lock is not None:
+            remove_partial_files(run.run_dir)
+            lock.release()
+    run.exit_code = _outcome(run, say)
+    return run
+
+
+def _fit(run: Any, resume_from: Path | None, resume_frames: int | None, resume: Any, say: Any) -> None:
+    """Announce the run and fit it; a numerical failure leaves ``failure.json`` behind."""
+    from pixelsac.precision import NumericalFailure
+
+    cfg, policy = run.cfg, run.module.precision_policy
     say(f"run directory: {run.run_dir}")
     if resume is not None:
         say(resume.describe())
@@ -115,11 +171,13 @@ def train(
         say(kernels)
     try:
         with cli.quiet_lightning():
+            # the checkpoint was loaded (and trusted or not) once, in resolve_run: the Trainer's
+            # RunDirCheckpointIO hands that dict over, and reads nothing else but weights-only
             run.trainer.fit(
                 run.module,
                 train_dataloaders=run.stream,
                 ckpt_path=str(resume_from) if resume_from else None,
-                weights_only=not cfg.trust_checkpoint,
+                weights_only=True,
             )
     except NumericalFailure as failure:
         (run.run_dir / "failure.json").write_text(
@@ -136,25 +194,63 @@ def train(
             )
         )
         raise
-    finally:
-        run.env.close()  # frees the physics and its GL contexts (a long process may train many runs)
-        run.eval_env.close()
-        if run.eval_worker is not None:
-            run.eval_worker.close()
+
+
+def _close(run: Any) -> None:
+    """Free the physics and GL contexts (a long process may train many runs) and the eval worker."""
+    for closing in (run.env.close, run.eval_env.close, getattr(run.eval_worker, "close", None)):
+        if closing is not None:
+            try:
+                closing()
+            except Exception:  # noqa: BLE001 -- closing twice, or after a fault: nothing left to free
+                pass
+
+
+def _outcome(run: Any, say: Any) -> int:
+    """Print how the fitted run ended and return its exit code; a run that cannot claim "done"
+    (every update skipped, short of its budget) is a :class:`pixelsac.cli.RunFault`."""
+    cfg = run.cfg
     evaluator = next(c for c in run.trainer.callbacks if type(c).__name__ == "Evaluator")
     outcome = run.stopper.outcome if run.stopper is not None else None
     if outcome is not None:
         say(outcome.message(run.run_dir))
-        run.exit_code = cli.EXIT_NUMERICAL_FAILURE if outcome.reason == "non-finite weights" else cli.EXIT_STOPPED
-    else:
-        say(
-            f"done: {run.collector.total_env_frames} env frames, {run.module.updates} updates, "
-            f"best eval return {evaluator.best_return:.1f}; checkpoints in {run.run_dir / 'checkpoints'}"
+        return cli.EXIT_NUMERICAL_FAILURE if outcome.reason == "non-finite weights" else cli.EXIT_STOPPED
+    updates, skipped = run.module.updates, run.module.skipped.get("critic", 0)
+    if updates > 0 and skipped >= updates:
+        raise cli.RunFault(
+            f"every one of the {updates} critic updates was skipped (loss-scale overflow): the weights never "
+            f"trained; loss scales now {run.module.loss_scales()} (lowp.init_scale={cfg.lowp.init_scale}); "
+            f"checkpoints in {run.run_dir / 'checkpoints'}",
+            cli.EXIT_NUMERICAL_FAILURE,
         )
-    return run
+    frames = run.collector.total_env_frames
+    if frames < cfg.train.env_frames:
+        raise cli.RunFault(
+            f"the run ended at env frame {frames} of train.env_frames={cfg.train.env_frames} without a stop "
+            f"signal (a Lightning limit ended fit); its checkpoint is in {run.run_dir / 'checkpoints'}: "
+            "resume=auto continues it",
+            cli.EXIT_INCOMPLETE,
+        )
+    say(
+        f"done: {frames} env frames, {updates} updates, "
+        f"best eval return {evaluator.best_return:.1f}; checkpoints in {run.run_dir / 'checkpoints'}"
+    )
+    return cli.EXIT_DONE
 
 
-def _command(argv: list[str]) -> int:
+def remove_partial_files(run_dir: Path) -> None:
+    """Temporary files of writes that did not finish (``checkpoints/.NAME.tmp``, a kept-rows CSV):
+    a fault mid-write leaves none behind. Complete files are never touched."""
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if folder.is_dir():
+            for tmp in folder.glob(".*.tmp"):
+                try:
+                    tmp.unlink()
+                except OSError:
+                    pass
+
+
+def _command(argv: list[str], as_program: bool = False) -> int:
     cfg, point = resolve_run(argv)
     if point is not None and point.finished(cfg.train.env_frames):
         print(
@@ -166,12 +262,20 @@ def _command(argv: list[str]) -> int:
     # not wait for that before it is reported.
     from pixelsac.stopping import handle_stop_signals
 
-    with handle_stop_signals(cfg.stop.signals) as stop:
-        return train(cfg, stop=stop, resume=point).exit_code
+    with handle_stop_signals(cfg.stop.signals, linger=as_program) as stop:
+        try:
+            stop.exit_code = train(cfg, stop=stop, resume=point).exit_code
+        except OSError as exc:  # a write that failed while running: disk full, read-only...
+            stop.exit_code = cli.EXIT_IO_FAULT
+            where = cfg.run_dir or os.environ.get("PIXELSAC_RUN_DIR", "the run directory")
+            raise cli.RunFault(cli.describe_os_error(exc, AFTER_A_FAILED_WRITE, where), cli.EXIT_IO_FAULT) from exc
+        return stop.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run_command(_command, argv, USAGE)
+    """The command line (``argv`` None: this process's arguments, and stop signals that come
+    after the run ended are ignored until it exits -- see :mod:`pixelsac.stopping`)."""
+    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, USAGE)
 
 
 if __name__ == "__main__":

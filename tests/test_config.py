@@ -41,9 +41,9 @@ def test_order_defaults_task_preset_cli():
 
 
 def test_types_are_coerced_and_trainer_flags_pass_through():
-    cfg = load_config(["agent.lr=1", "trainer.devices=2", "trainer.max_steps=10", "trainer.accelerator=cpu"])
+    cfg = load_config(["agent.lr=1", "trainer.devices=2", "trainer.log_every_n_steps=10", "trainer.accelerator=cpu"])
     assert cfg.agent.lr == 1.0 and isinstance(cfg.agent.lr, float)
-    assert (cfg.trainer.devices, cfg.trainer.max_steps, cfg.trainer.accelerator) == (2, 10, "cpu")
+    assert (cfg.trainer.devices, cfg.trainer.log_every_n_steps, cfg.trainer.accelerator) == (2, 10, "cpu")
 
 
 def test_plain_round_trip():

@@ -110,7 +110,9 @@ def test_a_resumed_run_drops_the_logged_row_of_the_evaluation_its_checkpoint_hol
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-        attach_loggers(SimpleNamespace(run_dir=tmp_path, trainer=SimpleNamespace(loggers=[])), 192, pending)
+        trainer = SimpleNamespace(loggers=[], callbacks=[], is_global_zero=True)
+        attach_loggers(SimpleNamespace(run_dir=tmp_path, trainer=trainer), 192, pending)
+        trainer.callbacks[0].on_fit_start(trainer, None)  # the rows are kept once fit restored the checkpoint
         with open(tmp_path / "metrics.csv", newline="") as f:
             return [(r["step"], r["eval/return"]) for r in csv.DictReader(f)]
 

@@ -307,6 +307,8 @@ def test_modes_and_commands(tmp_path):
         (["--collect-only"], "no grid.json"),
         (["--tasks", "cartpole_swingup", "--paired-against", "fp33"], "--paired-against: unknown mode 'fp33'"),
         ([], "--tasks is required"),
+        (["--tasks", "cartpole_swingup", "--dry-run", "agent.lr=.nan"], "agent.lr=nan must be a finite number"),
+        (["--tasks", "cartpole_swingup", "--dry-run", "--seeds", "1,4294967295"], "seed=4294967295 is out of range"),
     ],
 )
 def test_bad_arguments_exit_2_in_one_line(tmp_path, capsys, args, message):

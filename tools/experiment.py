@@ -211,11 +211,14 @@ def build_grid(
     specs = []
     for task in tasks:
         for mode in modes:
-            probe = RunSpec(task, mode, seeds[0], out, 0, extra)
-            try:
-                cfg = load_config(probe.fresh_args()[:-2], valid_tasks=valid)
+            try:  # every run's own configuration, as training will check it (seeds have a range too)
+                configs = [
+                    load_config(RunSpec(task, mode, s, out, 0, extra).fresh_args()[:-2], valid_tasks=valid)
+                    for s in seeds
+                ]
             except ConfigError as exc:
                 raise GridError(str(exc)) from None
+            cfg = configs[0]
             for seed in seeds:
                 specs.append(
                     RunSpec(task, mode, seed, out / task / mode / f"s{seed}", int(cfg.train.env_frames), extra)
