@@ -25,7 +25,8 @@ OUT = REPO / "docs" / "configuration.md"
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|") if text else ""
+    """Text for a table cell: ``|`` escaped, ``<`` written as an entity (``<task>`` is not a tag)."""
+    return text.replace("|", "\\|").replace("<", "&lt;") if text else ""
 
 
 def _code(text: str) -> str:
