@@ -13,7 +13,7 @@ export MALLOC_TRIM_THRESHOLD_ ?= 68719476736
 export MALLOC_TOP_PAD_ ?= 1073741824
 GL_PKGS := libegl1 libegl-mesa0 libgl1-mesa-dri
 
-.PHONY: setup demo test test-fast lint format clean-venv
+.PHONY: setup demo test test-fast lint format docs clean-venv
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ lint: setup
 format: setup
 	$(PY) -m ruff check --fix pixelsac tests tools
 	$(PY) -m ruff format pixelsac tests tools
+
+# docs/configuration.md from the comments in conf/ (tests/test_docs.py fails when it is stale)
+docs: setup
+	$(PY) tools/config_doc.py
 
 clean-venv:
 	rm -rf .venv
