@@ -1,18 +1,19 @@
-# Two commands on a fresh machine:  make demo   |   make test
-# `make setup` (used by both) is idempotent and fast once done.
+# On a fresh machine:  make demo  |  make test-fast  |  make test   (README.md, "Quickstart")
+# `make setup` (used by all three) is idempotent and fast once done.
 
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.setup-done
 export MUJOCO_GL ?= egl
-# Large freed buffers are expensive to re-touch on these VMs; keeping them mapped made the
-# DrQ update 2.7x faster at batch 512 (measured, see shared pitfalls). Harmless elsewhere.
+# glibc malloc keeps large freed buffers instead of unmapping them (re-faulting them made the DrQ
+# update slower: docs/performance.md). The console scripts set the same through mallopt
+# (pixelsac/allocator.py), which steps aside when these variables are set.
 export MALLOC_MMAP_MAX_ ?= 0
 export MALLOC_TRIM_THRESHOLD_ ?= 68719476736
 export MALLOC_TOP_PAD_ ?= 1073741824
 GL_PKGS := libegl1 libegl-mesa0 libgl1-mesa-dri
 
-.PHONY: setup demo test lint format clean-venv
+.PHONY: setup demo test test-fast lint format docs clean-venv
 
 setup: $(STAMP)
 
@@ -30,10 +31,15 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 demo: setup
-	$(PY) -m pixelsac.train preset=tiny run_dir=runs/demo overwrite=true
+	.venv/bin/pixelsac-train preset=tiny run_dir=runs/demo overwrite=true
 
+# every test (17-30 minutes on 2 CPU cores)
 test: setup lint
 	$(PY) -m pytest -q
+
+# the tests not marked slow: no end-to-end training runs (a few minutes)
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not slow"
 
 # ruff (pinned in constraints.txt, configured in pyproject.toml): lint rules and formatting
 lint: setup
@@ -43,6 +49,10 @@ lint: setup
 format: setup
 	$(PY) -m ruff check --fix pixelsac tests tools
 	$(PY) -m ruff format pixelsac tests tools
+
+# docs/configuration.md from the comments in conf/ (tests/test_docs.py fails when it is stale)
+docs: setup
+	$(PY) tools/config_doc.py
 
 clean-venv:
 	rm -rf .venv

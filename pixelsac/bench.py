@@ -1,11 +1,11 @@
 """Benchmark the update step under each precision mode::
 
-    python -m pixelsac.bench                                     # the configured agent, default modes
-    python -m pixelsac.bench agent.batch_size=128 bench.modes=fp32,fp16
-    python -m pixelsac.bench bench.batch_sizes=128,512 bench.ablations=true bench.updates=500
-    python -m pixelsac.bench bench.channels_last=both bench.compile=both bench.modes=fp32,fp16
-    python -m pixelsac.bench bench.sync_free=both bench.batch=all bench.modes=fp32,fp16
-    python -m pixelsac.bench agent.batch_size=128 bench.modes=fp32,fp16 bench.emulation_saves=both
+    pixelsac-bench                                   # the configured agent, default modes
+    pixelsac-bench agent.batch_size=128 bench.modes=fp32,fp16
+    pixelsac-bench bench.batch_sizes=128,512 bench.ablations=true bench.updates=500
+    pixelsac-bench bench.channels_last=both bench.compile=both bench.modes=fp32,fp16
+    pixelsac-bench bench.sync_free=both bench.batch=all bench.modes=fp32,fp16
+    pixelsac-bench agent.batch_size=128 bench.modes=fp32,fp16 bench.emulation_saves=both
 
 Every cell (mode x batch size x speed option) builds the configured agent afresh and times its
 real training step (``SACModule.training_step`` under a Lightning Trainer, no environment) on one
@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from pixelsac import allocator
+
     # The benchmark renders nothing; without this, importing dm_control (for the task's shapes)
     # loads the OpenGL library MUJOCO_GL names, which a GPU box without display libraries lacks.
     os.environ["MUJOCO_GL"] = "disable"
+    allocator.configure()  # glibc malloc keeps large freed buffers, as under make (pixelsac/allocator.py)
     sys.exit(main())

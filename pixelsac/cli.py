@@ -157,11 +157,15 @@ def wants_help(argv: Sequence[str]) -> bool:
 
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
-    from pixelsac.checkpoint import CheckpointError
-    from pixelsac.envs import EnvError
-    from pixelsac.envs.vector import EnvWorkerError
-
-    return (ConfigError, UsageError, CheckpointError, EnvError, EnvWorkerError)
+    # Looked up, not imported: a module that never loaded cannot have raised its error, and
+    # importing them (torch, dm_control) would make a mistyped key wait seconds for its answer.
+    others = (
+        ("pixelsac.checkpoint", "CheckpointError"),
+        ("pixelsac.envs", "EnvError"),
+        ("pixelsac.envs.vector", "EnvWorkerError"),
+    )
+    found = (getattr(sys.modules.get(module), name, None) for module, name in others)
+    return (ConfigError, UsageError, *(error for error in found if error is not None))
 
 
 def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, usage: str) -> int:

@@ -1,8 +1,8 @@
 """Evaluate a trained agent from a checkpoint: returns, a results file and videos::
 
-    python -m pixelsac.evaluate checkpoint=runs/cheetah_run/20260101-120000_fp16_s1
-    python -m pixelsac.evaluate checkpoint=run/checkpoints/last.ckpt episodes=20 video=false
-    python -m pixelsac.evaluate checkpoint=RUN video_episodes=all agent_view=true out_dir=eval/
+    pixelsac-evaluate checkpoint=runs/cheetah_run/20260101-120000_fp16_s1
+    pixelsac-evaluate checkpoint=run/checkpoints/last.ckpt episodes=20 video=false
+    pixelsac-evaluate checkpoint=RUN video_episodes=all agent_view=true out_dir=eval/
 
 Options are ``key=value``; ``conf/evaluate.yaml`` lists each with its default and meaning
 (``--help`` prints it). The first episode is filmed unless ``video=false``.
@@ -104,4 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from pixelsac import allocator
+
+    allocator.configure()  # glibc malloc keeps large freed buffers, as under make (pixelsac/allocator.py)
     sys.exit(main())

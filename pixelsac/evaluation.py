@@ -268,6 +268,8 @@ def _results(
     from pixelsac.checkpoint import FORMAT_VERSION
     from pixelsac.precision import SIX
 
+    beyond_six = ("unbiased_moments", "stochastic_weights", "derived_target")  # the switches pixelsac adds
+
     policy = module.precision_policy
     return {
         "task": config["task"],
@@ -275,7 +277,7 @@ def _results(
         "env_frames": counters["env_frames"],
         "updates": counters["updates"],
         "precision": config.get("precision"),
-        "lowp": {name: bool(getattr(policy, name)) for name in SIX},
+        "lowp": {name: bool(getattr(policy, name)) for name in (*SIX, *beyond_six)},
         "training_seed": config.get("seed"),
         "seed": seed,
         "sample": options.sample,

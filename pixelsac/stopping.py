@@ -193,7 +193,7 @@ class StopOutcome:
     def message(self, run_dir: Path) -> str:
         """The line printed at the end (rank 0)."""
         where = f"after update {self.updates} at env frame {self.env_frames}"
-        resume = f"continue with: python -m pixelsac.train resume={run_dir} (or this command with resume=auto)"
+        resume = f"continue with: pixelsac-train resume={run_dir} (or this command with resume=auto)"
         previous = self.previous
         if self.reason == "final evaluation":
             return (

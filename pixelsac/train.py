@@ -1,10 +1,10 @@
 """Train pixel SAC (DrQ) on DeepMind Control::
 
-    python -m pixelsac.train task=cheetah_run
-    python -m pixelsac.train preset=tiny precision=fp32 seed=3
-    python -m pixelsac.train task=walker_walk agent.batch_size=256 trainer.devices=2
-    python -m pixelsac.train resume=runs/cheetah_run/RUN train.env_frames=1000000
-    python -m pixelsac.train task=walker_walk run_dir=runs/walker_s1 resume=auto   # a job that may be requeued
+    pixelsac-train task=cheetah_run
+    pixelsac-train preset=tiny precision=fp32 seed=3
+    pixelsac-train task=walker_walk agent.batch_size=256 trainer.devices=2
+    pixelsac-train resume=runs/cheetah_run/RUN train.env_frames=1000000
+    pixelsac-train task=walker_walk run_dir=runs/walker_s1 resume=auto   # a job that may be requeued
 
 Arguments are ``key=value`` overrides of ``conf/config.yaml`` (see the README). A mistake in
 them (a value out of range, NaN, a replay larger than memory), an unknown task, a missing
@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pixelsac import cli
+from pixelsac import cli, train_args
 from pixelsac.config import INVOCATION_ONLY_KEYS, ConfigError, load_config, parse_overrides
 
 USAGE = __doc__
@@ -251,7 +251,12 @@ def remove_partial_files(run_dir: Path) -> None:
 
 
 def _command(argv: list[str], as_program: bool = False) -> int:
+    argv, dry_run = train_args.split_print_config(argv)
+    train_args.check_early(argv)  # a mistyped key answers before dm_control and torch load
     cfg, point = resolve_run(argv)
+    if dry_run:
+        print(train_args.render(cfg), end="")
+        return 0
     if point is not None and point.finished(cfg.train.env_frames):
         print(
             f"already done: {point.checkpoint} holds {point.env_frames} env frames (train.env_frames="
@@ -275,8 +280,11 @@ def _command(argv: list[str], as_program: bool = False) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The command line (``argv`` None: this process's arguments, and stop signals that come
     after the run ended are ignored until it exits -- see :mod:`pixelsac.stopping`)."""
-    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, USAGE)
+    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, train_args.usage(USAGE))
 
 
 if __name__ == "__main__":
+    from pixelsac import allocator
+
+    allocator.configure()  # glibc malloc keeps large freed buffers, as under make (pixelsac/allocator.py)
     sys.exit(main())

@@ -240,7 +240,7 @@ def test_speed_switches_keep_the_networks_output():
 def test_help_documents_every_bench_option(capsys):
     assert bench.main(["--help"]) == 0
     text = capsys.readouterr().out
-    assert "python -m pixelsac.bench" in text
+    assert "pixelsac-bench" in text
     for name in plan_mod.OPTIONS:
         assert f"bench.{name}" in text, name
 

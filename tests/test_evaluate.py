@@ -277,7 +277,7 @@ def test_missing_checkpoint_option_and_help(capsys):
     assert ev.main(["episodes=3"]) == 2
     assert "checkpoint=PATH is required" in capsys.readouterr().err
     assert ev.main(["--help"]) == 0
-    assert "python -m pixelsac.evaluate" in capsys.readouterr().out
+    assert "pixelsac-evaluate" in capsys.readouterr().out
 
 
 def test_pickled_checkpoint_loads_when_trusted(run16, tmp_path):

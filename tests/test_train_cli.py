@@ -104,7 +104,7 @@ def test_existing_run_dir_is_not_clobbered(tmp_path, monkeypatch, capsys):
 
 def test_help_exits_0(tmp_path):
     result = run_cli("--help", cwd=tmp_path)
-    assert result.returncode == 0 and "python -m pixelsac.train" in result.stdout
+    assert result.returncode == 0 and "pixelsac-train" in result.stdout
 
 
 @pytest.mark.slow

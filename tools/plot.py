@@ -13,6 +13,11 @@ every seed has reached -- curves are never extrapolated) and drawn as their mean
 ``--stat iqm``) with a bootstrapped 95% confidence band over seeds. DrQ's published returns
 (10 seeds, mean ± std) mark the six PlaNet tasks at 100k and 500k frames. Writes PNG and SVG
 and prints the final return of every group. Missing or empty metrics: one ``error:`` line, exit 2.
+
+Legends and the table count distinct seeds (two runs of seed 1 are ``2 runs, 1 seed``). A group
+whose runs repeat a seed, or whose configurations differ in anything but the seed, the run
+directory and how the run was started (``resume``, ``overwrite``, ``trust_checkpoint``), gets a
+``warning:`` line on stderr naming the keys and their values: such a band mixes experiments.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class Run:
     seed: Any
     frames: np.ndarray  # env frames of each evaluation, increasing
     returns: np.ndarray  # eval/return at those frames
+    config: dict[str, Any] = field(default_factory=dict)  # the run's config.yaml
 
 
 @dataclass
@@ -73,6 +79,17 @@ class Curve:
     center: np.ndarray = field(default_factory=lambda: np.zeros(0))
     low: np.ndarray = field(default_factory=lambda: np.zeros(0))
     high: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @property
+    def seeds(self) -> int:
+        """Distinct seeds among the runs (two runs of one seed are one seed, not two)."""
+        return len({str(run.seed) for run in self.runs})
+
+    @property
+    def count_text(self) -> str:
+        """``3 seeds``, or ``2 runs, 1 seed`` when seeds repeat."""
+        seeds = f"{self.seeds} seed{'s' if self.seeds != 1 else ''}"
+        return seeds if len(self.runs) == self.seeds else f"{len(self.runs)} runs, {seeds}"
 
 
 # --- finding and reading runs -----------------------------------------------------------------------
@@ -191,7 +208,52 @@ def load_run(run_dir: Path, by: Sequence[str] = ()) -> Run:
     frames, returns = read_eval_curve(run_dir)
     config = read_config(run_dir)
     label = " ".join([precision_label(config), *(f"{key}={_select(config, key)}" for key in by)])
-    return Run(run_dir, str(config["task"]), label, config.get("seed"), frames, returns)
+    return Run(run_dir, str(config["task"]), label, config.get("seed"), frames, returns, config)
+
+
+#: configuration keys that may differ between the runs of one curve: which seed, where it wrote,
+#: and how it was started (none of them changes what a run computes)
+BOOKKEEPING_KEYS = ("seed", "run_dir", "resume", "overwrite", "trust_checkpoint")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def config_differences(runs: Sequence[Run]) -> dict[str, list[Any]]:
+    """Keys (dotted) whose values differ between ``runs``, with the values seen, in run order;
+    :data:`BOOKKEEPING_KEYS` are left out."""
+    flats = [_flat(run.config) for run in runs]
+    keys = sorted(set().union(*flats)) if flats else []
+    differ: dict[str, list[Any]] = {}
+    for key in keys:
+        if key.split(".")[0] in BOOKKEEPING_KEYS:
+            continue
+        values = [flat.get(key, "<absent>") for flat in flats]
+        if any(value != values[0] for value in values[1:]):
+            differ[key] = list(dict.fromkeys(map(str, values)))
+    return differ
+
+
+def curve_warnings(curves: Sequence[Curve]) -> list[str]:
+    """One line per curve whose runs repeat a seed or differ in configuration (a curve is meant to
+    be the same experiment over seeds)."""
+    lines = []
+    for curve in curves:
+        name = f"{curve.task} {curve.label}"
+        if len(curve.runs) > curve.seeds:
+            lines.append(f"warning: {name}: {curve.count_text} -- a seed is plotted more than once")
+        differ = config_differences(curve.runs)
+        if differ:
+            shown = "; ".join(f"{key} ({', '.join(values)})" for key, values in list(differ.items())[:5])
+            more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
+            lines.append(f"warning: {name}: the runs' configurations differ in {shown}{more}")
+    return lines
 
 
 # --- statistics ----------------------------------------------------------------------------------------
@@ -261,7 +323,7 @@ def _frames_text(frames: float) -> str:
 def summary_table(curves: Sequence[Curve], stat: str = "mean") -> str:
     """Final return of every group (at the last frame all its runs reached), as text."""
     name = "IQM" if stat == "iqm" else "mean"
-    header = f"{'task':<20} {'precision':<24} {'runs':>4} {'env frames':>11}  {name + ' [95% CI]':<26} {'std':>6}  DrQ"
+    header = f"{'task':<20} {'precision':<24} {'seeds':>5} {'env frames':>11}  {name + ' [95% CI]':<26} {'std':>6}  DrQ"
     lines = [header, "-" * len(header)]
     for curve in curves:
         final = curve.values[:, -1]
@@ -272,7 +334,7 @@ def summary_table(curves: Sequence[Curve], stat: str = "mean") -> str:
         )
         reference = _nearest_reference(curve.task, float(curve.grid[-1]))
         lines.append(
-            f"{curve.task:<20} {curve.label:<24} {len(final):>4} {int(curve.grid[-1]):>11,}  "
+            f"{curve.task:<20} {curve.label:<24} {curve.seeds:>5} {int(curve.grid[-1]):>11,}  "
             f"{ci:<26} {float(np.std(final)):>6.1f}  {reference}"
         )
     return "\n".join(lines)
@@ -304,16 +366,15 @@ def plot_curves(curves: Sequence[Curve], out: Path, stat: str = "mean", referenc
         task_curves = [c for c in curves if c.task == task]
         for curve in task_curves:
             color = colors[curve.label]
-            seeds = len(curve.runs)
             ax.plot(
                 curve.grid,
                 curve.center,
                 color=color,
                 lw=1.8,
                 marker="o" if curve.grid.size == 1 else None,
-                label=f"{curve.label} ({seeds} seed{'s' if seeds > 1 else ''})",
+                label=f"{curve.label} ({curve.count_text})",
             )
-            if seeds > 1:
+            if len(curve.runs) > 1:
                 ax.fill_between(curve.grid, curve.low, curve.high, color=color, alpha=0.2, lw=0)
         _reference_marks(ax, task, max(float(c.grid[-1]) for c in task_curves), reference)
         ax.set_title(task)
@@ -400,6 +461,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlotError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for line in curve_warnings(curves):
+        print(line, file=sys.stderr)
     written = plot_curves(curves, Path(args.out), args.stat, args.reference)
     print(summary_table(curves, args.stat))
     print("wrote " + ", ".join(str(path) for path in written))

@@ -6,14 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from pixelsac.allocator import describe as malloc_settings
 from pixelsac.benchmark.plan import Plan
-
-_ALLOCATOR_VARS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 
 
 # --- ratios and reports ----------------------------------------------------------------------
@@ -363,7 +361,7 @@ def _header(plan: Plan) -> list[str]:
         where = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     else:
         where = f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    allocator = ", ".join(f"{v}={os.environ[v]}" for v in _ALLOCATOR_VARS if v in os.environ) or "not set"
+    allocator = malloc_settings()
     cell = plan.cells[0]
     cfg = plan.cfg
     shape = "x".join(map(str, cell.obs_shape))
