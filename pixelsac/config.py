@@ -56,6 +56,7 @@ NULLABLE: dict[str, type] = {
     "lowp.unbiased_moments": bool,
     "lowp.stochastic_weights": bool,
     "lowp.derived_target": bool,
+    "lowp.fp32_q_output": bool,
     "env.action_repeat": int,
     "env.camera_id": int,
     "env.shadow_size": int,

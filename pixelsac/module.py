@@ -100,6 +100,7 @@ class SACModule(L.LightningModule):
         self.precision_policy = PrecisionPolicy.from_config(self.cfg, "cpu")  # re-resolved for the device in setup()
 
         self.actor, self.critic = build_networks(self.obs_shape, self.action_dim, agent)
+        self.critic.fp32_q_output = self.precision_policy.fp32_q_output  # the target's copy inherits it
         # lowp.derived_target: θ̄ is computed from Kahan-momentum's ×K copy when used, not stored
         stored = not self.precision_policy.derived_target
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False) if stored else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -124,6 +125,9 @@ class Critic(nn.Module):
         in_dim = (feature_dim or trunk.out_dim) + action_dim
         self.q1 = mlp(in_dim, hidden_dim, 1, hidden_depth)
         self.q2 = mlp(in_dim, hidden_dim, 1, hidden_depth)
+        # set by the precision policy (lowp.fp32_q_output): Q's last layer sums in fp32 and keeps
+        # the fp32 result instead of rounding it to the weights' dtype
+        self.fp32_q_output = False
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.heads(self.trunk(obs), action)
@@ -131,7 +135,13 @@ class Critic(nn.Module):
     def heads(self, trunk_features: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Q1, Q2 from precomputed trunk features (lets the actor update reuse one detached pass)."""
         x = torch.cat([self.proj(trunk_features), action], dim=-1)
-        return self.q1(x), self.q2(x)
+        return self._q(self.q1, x), self._q(self.q2, x)
+
+    def _q(self, head: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp32_q_output:
+            return head(x)
+        last = head[-1]
+        return F.linear(head[:-1](x).float(), last.weight.float(), last.bias.float())
 
 
 def build_networks(obs_shape: tuple[int, ...], action_dim: int, agent_cfg) -> tuple[Actor, Critic]:

@@ -132,6 +132,7 @@ class PrecisionPolicy:
     unbiased_moments: bool = False
     stochastic_weights: bool = False
     derived_target: bool = False
+    fp32_q_output: bool = False
     channels_last: bool = False
     tf32: bool = False  # fp32 matmuls and convolutions on TF32 tensor cores (CUDA; perf.tf32)
     emulate_batch_chunk: int | None = None  # fp32_accumulate's samples per fp32 call (lowp.emulate_batch_chunk)
@@ -160,6 +161,9 @@ class PrecisionPolicy:
         derived_target = cfg.lowp.get("derived_target")
         if derived_target is None:
             derived_target = low
+        fp32_q_output = cfg.lowp.get("fp32_q_output")
+        if fp32_q_output is None:  # bf16 rounds Q ~ 30 to 0.125: a quarter of the TD signal (tools/grad_fidelity.py)
+            fp32_q_output = mode == "bf16"
         sync_free = cfg.perf.get("sync_free")
         if sync_free is None:
             sync_free = device_type == "cuda"
@@ -181,6 +185,7 @@ class PrecisionPolicy:
             # stochastic rounding replaces a Kahan buffer only where the unbiased hAdam step writes
             stochastic_weights=bool(stochastic_weights) and unbiased_moments and switches["hadam"],
             derived_target=bool(derived_target) and switches["kahan_momentum"],
+            fp32_q_output=bool(fp32_q_output) and low,
             channels_last=bool(channels_last),
             tf32=bool(cfg.perf.get("tf32")) and device_type == "cuda",
             emulate_batch_chunk=cfg.lowp.get("emulate_batch_chunk"),
@@ -394,6 +399,8 @@ class PrecisionPolicy:
             on[on.index("kahan_gradients")] = "kahan_gradients (as stochastic rounding)"
         if self.derived_target:
             on.append("derived_target")
+        if self.fp32_q_output:
+            on.append("fp32_q_output")
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""
         if self.is_pure_low and self.device_type == "cpu" and not self.fp32_accumulate:
             extra = f" (native {native_half_kernels(self.param_dtype) or 'reference'} conv/matmul on CPU)"

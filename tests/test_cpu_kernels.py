@@ -135,3 +135,38 @@ def test_bench_rows_say_which_kernels_ran(cpu_with, native):
     assert compute("bf16-emulated")[1]  # forced on either way
     assert compute("fp16")[1]  # no fp16 kernels pretended: emulated
     assert compute("bf16", "cuda") == ("bfloat16 tensor cores", False)
+
+
+def test_bf16_keeps_q_values_in_fp32_and_fp16_keeps_the_published_outputs():
+    assert policy("precision=bf16").fp32_q_output and "fp32_q_output" in policy("precision=bf16").describe()
+    assert not policy("precision=bf16", "lowp.fp32_q_output=false").fp32_q_output
+    assert not policy("precision=fp16").fp32_q_output and not policy("precision=fp32").fp32_q_output
+
+
+@pytest.mark.parametrize("fp32_q_output", [True, False])
+def test_fp32_q_values_track_float64_where_bf16_outputs_round_the_td_signal_away(fp32_q_output):
+    """A bf16 critic whose Q values sit near 30 (a trained swing-up agent's): rounded to bf16 they
+    move in steps of 0.125, a quarter of a typical TD error; summed and kept in fp32 they stay
+    within the hidden activations' own rounding of float64's value on the same bf16 weights."""
+    from pixelsac.config import to_plain
+    from pixelsac.module import SACModule
+
+    torch.manual_seed(0)
+    cfg = to_plain(load_config(["precision=bf16", "env.obs=state", f"lowp.fp32_q_output={str(fp32_q_output).lower()}"]))
+    module = SACModule(cfg, (8,), 2)
+    judge = SACModule(to_plain(load_config(["precision=fp32", "env.obs=state"])), (8,), 2).double()
+    judge.critic.load_state_dict({k: v.double() for k, v in module.critic.state_dict().items()})
+    with torch.no_grad():
+        for critic in (module.critic, judge.critic):
+            for head in (critic.q1, critic.q2):
+                head[-1].bias.fill_(30.0)
+        obs, action = torch.randn(512, 8), torch.rand(512, 2) * 2 - 1
+        with module.precision_policy.compute_context():
+            q_low, _ = module.critic(obs.bfloat16(), action.bfloat16())
+        q64, _ = judge.critic(obs.bfloat16().double(), action.bfloat16().double())
+    error = float((q_low.double() - q64).abs().mean())
+    assert q_low.dtype == (torch.float32 if fp32_q_output else torch.bfloat16)
+    if fp32_q_output:
+        assert error < 0.005, error
+    else:
+        assert error > 0.015, error  # round to nearest in steps of 0.125 (0.25 above 32)

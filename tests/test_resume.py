@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import REPO, TESTS, TINY, cli_env, main_in, run_cli, start_cli
 
+from pixelsac.precision import native_half_kernels
+
 # TINY: 64-frame episodes at action repeat 8 (8 agent steps), 320 frames, evaluation every 160.
 HALF, FULL = 320, 640
 
@@ -20,14 +22,27 @@ def weights(run_dir: Path, name: str = "last.ckpt") -> dict:
     return torch.load(run_dir / "checkpoints" / name, map_location="cpu", weights_only=True)
 
 
+NATIVE_BF16 = native_half_kernels(torch.bfloat16)
+
+
 @pytest.mark.slow
-def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path):
+@pytest.mark.parametrize(
+    "precision",
+    [
+        "fp16",
+        pytest.param(
+            "bf16", marks=pytest.mark.skipif(NATIVE_BF16 is None, reason="this CPU has no native bf16 kernels")
+        ),
+    ],
+)
+def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path, precision):
     """fp16 + six: its checkpoint holds all that fp32's does and the loss scalers and Kahan
-    buffers besides (fp32's resume is compared bit for bit in test_stopping's SIGTERM case)."""
+    buffers besides (fp32's resume is compared bit for bit in test_stopping's SIGTERM case);
+    bf16 where the CPU runs it on native kernels (the default there)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     # one thread each: the straight run and the first half run side by side on two cores, and the
     # sums' order (which follows the thread count) is the same in all three processes
-    args = [*TINY, "precision=fp16", "train.num_threads=1"]
+    args = [*TINY, f"precision={precision}", "train.num_threads=1"]
     straight_run = start_cli(*args, f"train.env_frames={FULL}", f"run_dir={straight}", cwd=tmp_path)
     first = run_cli(*args, f"train.env_frames={HALF}", f"run_dir={split}", cwd=tmp_path)
     _, straight_err = straight_run.communicate(timeout=600)
@@ -36,6 +51,8 @@ def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path):
     second = run_cli(f"resume={split}", f"train.env_frames={FULL}", "trainer.enable_progress_bar=false", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
     assert f"resuming from {split / 'checkpoints' / 'last.ckpt'} at env frame {HALF}" in second.stdout
+    if precision == "bf16":
+        assert f"bf16: native kernels ({NATIVE_BF16})" in first.stdout + second.stdout
 
     a, b = weights(straight), weights(split)
     assert a["pixelsac"]["updates"] == b["pixelsac"]["updates"] > 0
