@@ -104,9 +104,12 @@ def test_a_smoke_run_cut_halfway_already_has_its_report(tmp_path):
     try:
         deadline = time.monotonic() + 600
         status = work / "status.tsv"
+        report_file = out / "report.md"
         while time.monotonic() < deadline and proc.poll() is None:
+            # the part's status comes first, then the report is rewritten: cut after both
             if status.is_file() and "bench512\t" in status.read_text():
-                break
+                if report_file.is_file() and "| bench512 |" in report_file.read_text():
+                    break
             time.sleep(0.5)
         assert status.is_file() and "bench512\tok" in status.read_text(), (work / "bench512.log").read_text()[-2000:]
     finally:
