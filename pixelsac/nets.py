@@ -140,8 +140,10 @@ class Critic(nn.Module):
     def _q(self, head: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
         if not self.fp32_q_output:
             return head(x)
-        last = head[-1]
-        return F.linear(head[:-1](x).float(), last.weight.float(), last.bias.float())
+        *hidden, last = head  # the layers themselves: slicing would build a new Sequential per call
+        for layer in hidden:
+            x = layer(x)
+        return F.linear(x.float(), last.weight.float(), last.bias.float())
 
 
 def build_networks(obs_shape: tuple[int, ...], action_dim: int, agent_cfg) -> tuple[Actor, Critic]:

@@ -260,22 +260,26 @@ class _FixedBatch:
         )
 
 
+def float64_policy(policy: Any) -> Any:
+    """``policy`` (a PrecisionPolicy) with every dtype float64: the judge's machinery is fp32's."""
+    from pixelsac import precision
+
+    judge = dataclasses.make_dataclass("Float64Policy", [], bases=(precision.PrecisionPolicy,), frozen=True)
+    judge.param_dtype = property(lambda self: torch.float64)
+    return judge(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(precision.PrecisionPolicy)})
+
+
 def check_float64_agreement(drq: Any, batch_size: int, updates: int = 3) -> float:
     """Largest |ours - DrQ| / (max |DrQ| + 1e-12) over every weight after ``updates`` float64 updates."""
-    from pixelsac import precision
     from pixelsac.perf import synthetic_batch
 
-    float64 = dataclasses.make_dataclass("Float64Policy", [], bases=(precision.PrecisionPolicy,), frozen=True)
-    float64.param_dtype = property(lambda self: torch.float64)
     torch.manual_seed(0)
     theirs = make_drq_agent(drq, batch_size, torch.device("cpu"))
     ours = make_our_agent(
         our_overrides("fp32", batch_size, ["agent.aug_pad=0", "perf.channels_last=false", "lowp.derived_target=false"])
     )
     ours.double()
-    ours.precision_policy = float64(
-        **{f.name: getattr(ours.precision_policy, f.name) for f in dataclasses.fields(precision.PrecisionPolicy)}
-    )
+    ours.precision_policy = float64_policy(ours.precision_policy)
     for module in (theirs.actor, theirs.critic, theirs.critic_target):
         module.double()
     with torch.no_grad():

@@ -31,18 +31,12 @@ import torch
 from omegaconf import OmegaConf
 
 from pixelsac import checkpoint as ckpt_io
-from pixelsac import precision
 from pixelsac.config import from_plain, parse_overrides, to_plain
 from pixelsac.module import SACModule
 from pixelsac.replay import ReplaySet
 
-
-def float64_policy(policy: precision.PrecisionPolicy) -> precision.PrecisionPolicy:
-    judge = dataclasses.make_dataclass("Float64Policy", [], bases=(precision.PrecisionPolicy,), frozen=True)
-    judge.param_dtype = property(lambda self: torch.float64)
-    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(precision.PrecisionPolicy)}
-    fields.update(fp32_accumulate=False)
-    return judge(**fields)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from drq_side_by_side import float64_policy  # noqa: E402
 
 
 def load_run(run_dir: Path) -> tuple[SACModule, ReplaySet, dict[str, Any]]:
@@ -131,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     module, replay, checkpoint = load_run(args.run_dir)
     module.augment.backend = "index"
     judge = copy.deepcopy(module).double()
-    judge.precision_policy = float64_policy(module.precision_policy)
+    judge.precision_policy = dataclasses.replace(float64_policy(module.precision_policy), fp32_accumulate=False)
     contenders = {"as trained": module}
     for spec in args.variant:
         name, _, overrides = spec.partition("=")

@@ -22,7 +22,6 @@ Writes a JSON and a markdown table (``--out``); one thread, so run it beside oth
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
@@ -33,9 +32,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from drq_side_by_side import make_our_agent, our_update  # noqa: E402
+from drq_side_by_side import float64_policy, make_our_agent, our_update  # noqa: E402
 
-from pixelsac import precision  # noqa: E402
 from pixelsac.perf import synthetic_batch  # noqa: E402
 
 PRESET_VARIANTS = {
@@ -61,13 +59,10 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
 
 def float64_agent(overrides: list[str]) -> Any:
     """The fp32 agent with every parameter, buffer and optimizer state in float64."""
-    judge = dataclasses.make_dataclass("Float64Policy", [], bases=(precision.PrecisionPolicy,), frozen=True)
-    judge.param_dtype = property(lambda self: torch.float64)
     module = make_our_agent([*overrides, "precision=fp32"], obs_shape=OBS_SHAPE, action_dim=ACTION_DIM)
     module.double()
     inner = getattr(module, "module", module)
-    fields = {f.name: getattr(inner.precision_policy, f.name) for f in dataclasses.fields(precision.PrecisionPolicy)}
-    inner.precision_policy = judge(**fields)
+    inner.precision_policy = float64_policy(inner.precision_policy)
     return module
 
 
