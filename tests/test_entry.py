@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, run_cli
 
 from pixelsac import config_keys
 from pixelsac.config import ConfigError
@@ -78,14 +78,7 @@ def test_train_help_lists_every_group_and_key_with_its_meaning(capsys):
 
 
 def test_print_config_prints_the_composed_config_and_writes_nothing(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "pixelsac.train", "preset=tiny", "agent.batch_size=16", "--print-config"],
-        cwd=tmp_path,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_cli("preset=tiny", "agent.batch_size=16", "--print-config", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     import yaml
 
