@@ -236,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.work}: no such folder", file=sys.stderr)
         return 2
     if args.command == "report":
-        report(args.work, args.out, args.final)
+        # the archive first: report.md is the mark that a step is complete, so a run cut just after
+        # a part's table appears already has that part in results.tar.gz
         if args.archive_mb is not None:
             archive(args.work, args.out, args.archive_mb)
+        report(args.work, args.out, args.final)
     elif args.command == "graphs-ok":
         return 0 if gpu_tests(args.work)[1] else 1
     else:
