@@ -57,6 +57,7 @@ NULLABLE: dict[str, type] = {
     "lowp.stochastic_weights": bool,
     "lowp.derived_target": bool,
     "lowp.fp32_q_output": bool,
+    "lowp.fp32_actor_loss": bool,
     "env.action_repeat": int,
     "env.camera_id": int,
     "env.shadow_size": int,

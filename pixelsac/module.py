@@ -39,7 +39,7 @@ from pixelsac.augment import RandomShift
 from pixelsac.checkpoint import FORMAT_VERSION, CheckpointError, first_line
 from pixelsac.config import from_plain
 from pixelsac.graphs import UpdateGraphs
-from pixelsac.nets import apply_speed_options, build_networks
+from pixelsac.nets import apply_speed_options, build_networks, in_fp32
 from pixelsac.precision import NumericalFailure, PrecisionPolicy, nonfinite_names
 
 LOSSES = ("critic", "actor", "alpha")
@@ -239,13 +239,24 @@ class SACModule(L.LightningModule):
         return loss, {"critic_loss": loss.detach(), "q": q1.detach().mean(), "target_q": target_q.mean()}
 
     def actor_and_alpha_loss(self, obs_aug: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """``obs_aug``: one augmented copy of the observations (the critic's first, as in DrQ)."""
+        """``obs_aug``: one augmented copy of the observations (the critic's first, as in DrQ).
+
+        With ``lowp.fp32_actor_loss`` everything after the trunk computes in fp32 from the 16-bit
+        weights: the actor's gradient ``E[α∇log π + (α∇ₐlog π - ∇ₐQ)·∂a/∂θ]`` is a difference
+        of two nearly equal terms once the policy is good, and bf16's rounding of every layer's
+        activations and gradients left 10-20% of it wrong (fp16: 3-5%; tools/grad_fidelity.py).
+        Only the gradients are rounded, once, into the weights' dtype."""
+        fp32 = self.precision_policy.fp32_actor_loss
         with torch.no_grad():  # the actor does not train the convolutions: build no graph for them
             trunk_features = self.critic.trunk(obs_aug)
-        dist = self._dist(trunk_features)
+        if fp32:
+            trunk_features = trunk_features.float()
+            dist = self.precision_policy.distribution(*in_fp32(self.actor, trunk_features))
+        else:
+            dist = self._dist(trunk_features)
         action = dist.rsample()
         log_prob = dist.log_prob(action).sum(-1, keepdim=True)
-        q1, q2 = self.critic.heads(trunk_features, action)
+        q1, q2 = self.critic.heads(trunk_features, action, fp32=fp32)
         actor_loss = (self.alpha.detach() * log_prob - torch.min(q1, q2)).mean()
         alpha_loss = (self.alpha * (-log_prob - self.target_entropy).detach()).mean()
         return (

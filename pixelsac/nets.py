@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 
 def mlp(in_dim: int, hidden_dim: int, out_dim: int, hidden_depth: int) -> nn.Sequential:
@@ -132,8 +133,18 @@ class Critic(nn.Module):
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.heads(self.trunk(obs), action)
 
-    def heads(self, trunk_features: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Q1, Q2 from precomputed trunk features (lets the actor update reuse one detached pass)."""
+    def heads(
+        self, trunk_features: torch.Tensor, action: torch.Tensor, fp32: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q1, Q2 from precomputed trunk features (lets the actor update reuse one detached pass).
+
+        ``fp32``: the projection and both Q MLPs compute in fp32 from their 16-bit weights (each
+        weight upcast exactly, no rounding between layers, forward or backward); Q comes out in
+        fp32 and the gradient reaching ``action`` is rounded once, to the action's dtype. For
+        the actor's loss (``lowp.fp32_actor_loss``)."""
+        if fp32:
+            x = torch.cat([in_fp32(self.proj, trunk_features), action.float()], dim=-1)
+            return in_fp32(self.q1, x), in_fp32(self.q2, x)
         x = torch.cat([self.proj(trunk_features), action], dim=-1)
         return self._q(self.q1, x), self._q(self.q2, x)
 
@@ -144,6 +155,13 @@ class Critic(nn.Module):
         for layer in hidden:
             x = layer(x)
         return F.linear(x.float(), last.weight.float(), last.bias.float())
+
+
+def in_fp32(layer: nn.Module, x: torch.Tensor) -> Any:
+    """``layer(x)`` with its parameters and input upcast to fp32 (exact); gradients flow back to
+    the 16-bit parameters through the casts, each rounded once."""
+    params = {name: p.float() for name, p in layer.named_parameters()}
+    return functional_call(layer, params, (x.float(),))
 
 
 def build_networks(obs_shape: tuple[int, ...], action_dim: int, agent_cfg) -> tuple[Actor, Critic]:

@@ -133,6 +133,7 @@ class PrecisionPolicy:
     stochastic_weights: bool = False
     derived_target: bool = False
     fp32_q_output: bool = False
+    fp32_actor_loss: bool = False
     channels_last: bool = False
     tf32: bool = False  # fp32 matmuls and convolutions on TF32 tensor cores (CUDA; perf.tf32)
     emulate_batch_chunk: int | None = None  # fp32_accumulate's samples per fp32 call (lowp.emulate_batch_chunk)
@@ -164,6 +165,9 @@ class PrecisionPolicy:
         fp32_q_output = cfg.lowp.get("fp32_q_output")
         if fp32_q_output is None:  # bf16 rounds Q ~ 30 to 0.125: a quarter of the TD signal (tools/grad_fidelity.py)
             fp32_q_output = mode == "bf16"
+        fp32_actor_loss = cfg.lowp.get("fp32_actor_loss")
+        if fp32_actor_loss is None:  # bf16 left 10-20% of the actor's gradient wrong (tools/grad_fidelity.py)
+            fp32_actor_loss = mode == "bf16"
         sync_free = cfg.perf.get("sync_free")
         if sync_free is None:
             sync_free = device_type == "cuda"
@@ -186,6 +190,7 @@ class PrecisionPolicy:
             stochastic_weights=bool(stochastic_weights) and unbiased_moments and switches["hadam"],
             derived_target=bool(derived_target) and switches["kahan_momentum"],
             fp32_q_output=bool(fp32_q_output) and low,
+            fp32_actor_loss=bool(fp32_actor_loss) and low,
             channels_last=bool(channels_last),
             tf32=bool(cfg.perf.get("tf32")) and device_type == "cuda",
             emulate_batch_chunk=cfg.lowp.get("emulate_batch_chunk"),
@@ -401,6 +406,8 @@ class PrecisionPolicy:
             on.append("derived_target")
         if self.fp32_q_output:
             on.append("fp32_q_output")
+        if self.fp32_actor_loss:
+            on.append("fp32_actor_loss")
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""
         if self.is_pure_low and self.device_type == "cpu" and not self.fp32_accumulate:
             extra = f" (native {native_half_kernels(self.param_dtype) or 'reference'} conv/matmul on CPU)"

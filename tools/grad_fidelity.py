@@ -76,9 +76,27 @@ def shared_noise(seed: int):
         torch.randn = original
 
 
+def _scaled_backward(loss: torch.Tensor, params: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """Gradients of ``loss`` by backward of ``scale·loss``, unscaled in float64; the scale halves
+    until every gradient is finite (a dynamic loss scaler's choice for this one batch). A power of
+    two, so scaling and unscaling add no rounding of their own."""
+    while True:
+        for p in params.values():
+            p.grad = None
+        (loss * scale).backward(retain_graph=True)
+        grads = {n: p.grad.detach().double() / scale for n, p in params.items()}
+        if scale <= 1.0 or all(bool(torch.isfinite(g).all()) for g in grads.values()):
+            return grads
+        scale /= 2
+
+
 def gradients(module: SACModule, batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Gradients of the critic loss (critic weights) and of the actor and temperature losses."""
+    """Gradients of the critic loss (critic weights) and of the actor and temperature losses.
+
+    With fp16's loss scaling the losses are scaled as a run scales them (from 2^15 down until
+    finite), so the comparison measures fp16's arithmetic, not gradients lost to underflow."""
     policy, agent = module.precision_policy, module.cfg.agent
+    start_scale = 2.0**15 if policy.loss_scaling else 1.0
     module.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the augmentation's shifts (integers: the same in every dtype)
     with shared_noise(seed):
@@ -87,14 +105,40 @@ def gradients(module: SACModule, batch: dict[str, torch.Tensor], seed: int) -> d
         action, reward, not_terminal = (policy.cast_input(batch[k]) for k in ("action", "reward", "not_terminal"))
         with policy.compute_context():
             critic_loss, _ = module.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
-        critic_loss.backward()
-        grads = {f"critic.{n}": p.grad.detach().double().clone() for n, p in module.critic.named_parameters()}
+        critic_params = {f"critic.{n}": p for n, p in module.critic.named_parameters()}
+        grads = _scaled_backward(critic_loss, critic_params, start_scale)
         with policy.compute_context():
             actor_loss, alpha_loss, _ = module.actor_and_alpha_loss(obs_aug[: action.shape[0]])
-        (actor_loss + alpha_loss).backward()
-    grads.update({f"actor.{n}": p.grad.detach().double().clone() for n, p in module.actor.named_parameters()})
-    grads["log_alpha"] = module.log_alpha.grad.detach().double().clone().reshape(1)
+        actor_params = {f"actor.{n}": p for n, p in module.actor.named_parameters()}
+        actor_params["log_alpha"] = module.log_alpha
+        grads.update(_scaled_backward(actor_loss + alpha_loss, actor_params, start_scale))
+    grads["log_alpha"] = grads["log_alpha"].reshape(1)
     return grads
+
+
+def transplant(variant: SACModule, judge: SACModule) -> None:
+    """The run's weights into a variant of another precision (other buffers, other target form),
+    from the float64 judge's copy: every network parameter cast to the variant's dtype, and the
+    target critic θ̄ as the variant keeps it (stored, or as its scaled copy K·θ̄ with a zero
+    Kahan buffer), rounded once from float64."""
+    with torch.no_grad():
+        source = dict(judge.named_parameters())
+        for name, param in variant.named_parameters():
+            if not name.startswith("critic_target."):
+                param.copy_(source[name])
+        target = judge.target_updater.target_parameters()
+        updater = variant.target_updater
+        if updater.derived_target:
+            scaled, compensation = updater._buffers_in_order()
+            for buffer, value in zip(scaled, target):
+                buffer.copy_(value.double() * updater.scale)
+            for buffer in compensation:
+                buffer.zero_()
+            updater.updates_applied.fill_(1)
+            updater._fresh = False
+        else:
+            for param, value in zip(updater.target.parameters(), target):
+                param.copy_(value)
 
 
 def grouped(grads: dict[str, torch.Tensor], module: SACModule) -> dict[str, torch.Tensor]:
@@ -134,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             OmegaConf.update(config, key, value)
         config = OmegaConf.to_container(config)
         variant = SACModule(config, module.obs_shape, module.action_dim)
-        variant.load_state_dict(module.state_dict())
+        try:
+            variant.load_state_dict(module.state_dict())
+        except RuntimeError:  # another precision: other buffers, maybe another target form
+            transplant(variant, judge)
         variant.augment.backend = "index"
         contenders[name] = variant
     rng = np.random.default_rng(args.seed)
