@@ -56,8 +56,19 @@ def _modes() -> dict[str, Mode]:
         ),
         Mode(
             "bf16-six",
-            ("precision=bf16", "lowp.unbiased_moments=false", "lowp.derived_target=false"),
+            (
+                "precision=bf16",
+                "lowp.unbiased_moments=false",
+                "lowp.derived_target=false",
+                "lowp.fp32_q_output=false",
+                "lowp.fp32_actor_loss=false",
+            ),
             "pure bf16, the five as published",
+        ),
+        Mode(
+            "bf16-no-fp32_actor_loss",
+            ("precision=bf16", "lowp.fp32_actor_loss=false"),
+            "pure bf16 with the actor's loss in bf16 arithmetic (bf16's default before lowp.fp32_actor_loss)",
         ),
         Mode(
             "fp16-native",
@@ -92,7 +103,7 @@ def _modes() -> dict[str, Mode]:
 MODES = _modes()
 #: the modes run when bench.modes is not given: conf/bench.yaml's default
 DEFAULT_MODES = tuple(str(load_options("bench", [])["modes"]).split(","))
-ABLATIONS = ("fp16-six", "bf16-six", *(f"fp16-no-{switch}" for switch in SIX))
+ABLATIONS = ("fp16-six", "bf16-six", "bf16-no-fp32_actor_loss", *(f"fp16-no-{switch}" for switch in SIX))
 
 
 # --- options ---------------------------------------------------------------------------------
