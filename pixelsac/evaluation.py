@@ -268,7 +268,8 @@ def _results(
     from pixelsac.checkpoint import FORMAT_VERSION
     from pixelsac.precision import SIX
 
-    beyond_six = ("unbiased_moments", "stochastic_weights", "derived_target")  # the switches pixelsac adds
+    # the switches pixelsac adds
+    beyond_six = ("unbiased_moments", "stochastic_weights", "derived_target", "fp32_q_output", "fp32_actor_loss")
 
     policy = module.precision_policy
     return {
