@@ -141,12 +141,18 @@ class StopRequest:
             if signal.getsignal(signum) != self.handle:
                 signal.signal(signum, self.handle)
 
+    def end(self) -> None:
+        """The run's outcome is decided (fit returned): a stop signal from now on is noted and
+        ignored, so one that lands right after the outcome line cannot turn a saved stop into an
+        abandoned save."""
+        self.ended = True
+
     def linger(self) -> None:
         """The run has ended: from now to the process's exit a stop signal is noted and ignored.
         At exit (the first ``atexit`` hook to run: registered last) the signals become ignored
         outright, because Python puts back the default handlers while it finalizes, and a signal
         in the C-level teardown after that (GL contexts, libraries) would kill the process."""
-        self.ended = True
+        self.end()
         atexit.register(self._ignore_to_the_end)
 
     def _ignore_to_the_end(self) -> None:

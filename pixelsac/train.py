@@ -141,6 +141,8 @@ def train(
             pending = resume.pending_eval_frames if resume is not None else None
             runs.attach_loggers(run, resume_frames if zero else None, pending)
         _fit(run, resume_from, resume_frames, resume, say)
+        if stop is not None:
+            stop.end()  # before the outcome line: a signal sent on reading it must find the run over
     finally:
         _close(run)
         if lock is not None:
