@@ -193,8 +193,10 @@ class SACModule(L.LightningModule):
     def alpha(self) -> torch.Tensor:
         return self.log_alpha.exp()
 
-    def _dist(self, trunk_features: torch.Tensor):
-        mu, log_std = self.actor(trunk_features)
+    def _dist(self, trunk_features: torch.Tensor, fp32: bool = False):
+        """The policy at ``trunk_features``; ``fp32``: the actor computes in fp32 from its 16-bit
+        weights (``lowp.fp32_actor_loss``), so the distribution is fp32 too."""
+        mu, log_std = in_fp32(self.actor, trunk_features) if fp32 else self.actor(trunk_features)
         return self.precision_policy.distribution(mu, log_std)
 
     @torch.no_grad()
@@ -251,9 +253,7 @@ class SACModule(L.LightningModule):
             trunk_features = self.critic.trunk(obs_aug)
         if fp32:
             trunk_features = trunk_features.float()
-            dist = self.precision_policy.distribution(*in_fp32(self.actor, trunk_features))
-        else:
-            dist = self._dist(trunk_features)
+        dist = self._dist(trunk_features, fp32=fp32)
         action = dist.rsample()
         log_prob = dist.log_prob(action).sum(-1, keepdim=True)
         q1, q2 = self.critic.heads(trunk_features, action, fp32=fp32)
