@@ -137,10 +137,25 @@ def test_bench_rows_say_which_kernels_ran(cpu_with, native):
     assert compute("bf16", "cuda") == ("bfloat16 tensor cores", False)
 
 
-def test_bf16_keeps_q_values_in_fp32_and_fp16_keeps_the_published_outputs():
-    assert policy("precision=bf16").fp32_q_output and "fp32_q_output" in policy("precision=bf16").describe()
-    assert not policy("precision=bf16", "lowp.fp32_q_output=false").fp32_q_output
-    assert not policy("precision=fp16").fp32_q_output and not policy("precision=fp32").fp32_q_output
+@pytest.mark.parametrize("switch", ["fp32_q_output", "fp32_actor_loss"])
+def test_bf16_turns_its_fp32_switches_on_and_fp16_keeps_the_published_form(switch):
+    assert getattr(policy("precision=bf16"), switch) and switch in policy("precision=bf16").describe()
+    assert not getattr(policy("precision=bf16", f"lowp.{switch}=false"), switch)
+    assert not getattr(policy("precision=fp16"), switch) and not getattr(policy("precision=fp32"), switch)
+    assert getattr(policy("precision=fp16", f"lowp.{switch}=true"), switch)
+
+
+def bf16_agent_and_float64_critic(overrides: list[str], obs_shape: tuple[int, ...]):
+    """A bf16 agent and a float64 critic holding the same (bf16) critic weights: the judge."""
+    from pixelsac.config import to_plain
+    from pixelsac.module import SACModule
+
+    torch.manual_seed(0)
+    module = SACModule(to_plain(load_config(["precision=bf16", *overrides])), obs_shape, 2)
+    shape_only = [o for o in overrides if not o.startswith("lowp.")]  # the judge is plain float64
+    judge = SACModule(to_plain(load_config(["precision=fp32", *shape_only])), obs_shape, 2).double()
+    judge.critic.load_state_dict({k: v.double() for k, v in module.critic.state_dict().items()})
+    return module, judge
 
 
 @pytest.mark.parametrize("fp32_q_output", [True, False])
@@ -148,14 +163,9 @@ def test_fp32_q_values_track_float64_where_bf16_outputs_round_the_td_signal_away
     """A bf16 critic whose Q values sit near 30 (a trained swing-up agent's): rounded to bf16 they
     move in steps of 0.125, a quarter of a typical TD error; summed and kept in fp32 they stay
     within the hidden activations' own rounding of float64's value on the same bf16 weights."""
-    from pixelsac.config import to_plain
-    from pixelsac.module import SACModule
-
-    torch.manual_seed(0)
-    cfg = to_plain(load_config(["precision=bf16", "env.obs=state", f"lowp.fp32_q_output={str(fp32_q_output).lower()}"]))
-    module = SACModule(cfg, (8,), 2)
-    judge = SACModule(to_plain(load_config(["precision=fp32", "env.obs=state"])), (8,), 2).double()
-    judge.critic.load_state_dict({k: v.double() for k, v in module.critic.state_dict().items()})
+    module, judge = bf16_agent_and_float64_critic(
+        ["env.obs=state", f"lowp.fp32_q_output={str(fp32_q_output).lower()}"], (8,)
+    )
     with torch.no_grad():
         for critic in (module.critic, judge.critic):
             for head in (critic.q1, critic.q2):
@@ -172,27 +182,14 @@ def test_fp32_q_values_track_float64_where_bf16_outputs_round_the_td_signal_away
         assert error > 0.015, error  # round to nearest in steps of 0.125 (0.25 above 32)
 
 
-def test_bf16_evaluates_the_actors_q_in_fp32_and_fp16_keeps_the_published_heads():
-    assert policy("precision=bf16").fp32_actor_loss and "fp32_actor_loss" in policy("precision=bf16").describe()
-    assert not policy("precision=bf16", "lowp.fp32_actor_loss=false").fp32_actor_loss
-    assert not policy("precision=fp16").fp32_actor_loss and not policy("precision=fp32").fp32_actor_loss
-    assert policy("precision=fp16", "lowp.fp32_actor_loss=true").fp32_actor_loss
-
-
 @pytest.mark.parametrize("obs_shape", [(8,), (9, 24, 24)], ids=["state", "pixels"])
 @pytest.mark.parametrize("fp32", [True, False])
 def test_the_actors_action_gradient_in_fp32_heads_is_float64s_rounded_once(obs_shape, fp32):
     """∇ₐ min(Q1, Q2), what the actor's loss pushes the policy with, from bf16 weights and inputs:
     through fp32 heads it is float64's value rounded once to bf16 (≤ 2⁻⁹ relative); through
     bf16 heads every layer's activations and gradients round, ≈1-3% off (measured 2.7% here)."""
-    from pixelsac.config import to_plain
-    from pixelsac.module import SACModule
-
-    torch.manual_seed(0)
     pixels = ["env.image_size=24", "agent.num_filters=4"] if len(obs_shape) == 3 else ["env.obs=state"]
-    module = SACModule(to_plain(load_config(["precision=bf16", *pixels])), obs_shape, 2)
-    judge = SACModule(to_plain(load_config(["precision=fp32", *pixels])), obs_shape, 2).double()
-    judge.critic.load_state_dict({k: v.double() for k, v in module.critic.state_dict().items()})
+    module, judge = bf16_agent_and_float64_critic(pixels, obs_shape)
     with torch.no_grad():
         features = module.critic.trunk(torch.rand(512, *obs_shape).bfloat16())
     action = (torch.rand(512, 2) * 2 - 1).bfloat16().requires_grad_()
