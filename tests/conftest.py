@@ -16,9 +16,11 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"  # on a helper script's PYTHONPATH (stop_helper.py imports marks.py from here)
 
-# two on CI's 2 cores; PIXELSAC_TEST_THREADS=1 beside a background run (two threads on a busy core
-# spin-wait for each other: the small-op tests ran ~10x slower)
-torch.set_num_threads(int(os.environ.get("PIXELSAC_TEST_THREADS", "2")))
+# Two threads in one process on CI's 2 cores; under pytest-xdist (`make test`: one worker per
+# core) the cores are shared out between the workers. PIXELSAC_TEST_THREADS=1 beside a background
+# run: two threads on a busy core spin-wait for each other (the small-op tests ran ~10x slower).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("PIXELSAC_TEST_THREADS", max(1, 2 // WORKERS))))
 
 # Tiny but complete configuration for CPU tests: same code paths as a full run.
 TINY = [
@@ -75,14 +77,17 @@ def run_cli(*args: str, cwd: Path, extra_path: Path | str | None = None) -> subp
     )
 
 
-def start_cli(*args: str, cwd: Path) -> subprocess.Popen:
-    """``run_cli`` in the background: its stderr is kept, its stdout dropped."""
+def start_cli(
+    *args: str, cwd: Path, stdout: int = subprocess.DEVNULL, stderr: int = subprocess.PIPE
+) -> subprocess.Popen:
+    """``run_cli`` in the background, unbuffered (a test can wait for a line of stdout): by
+    default its stderr is kept and its stdout dropped; ``subprocess.PIPE`` or ``DEVNULL`` choose."""
     return subprocess.Popen(
         [sys.executable, "-m", "pixelsac.train", *args],
         cwd=cwd,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        env=cli_env(PYTHONUNBUFFERED="1"),
+        stdout=stdout,
+        stderr=stderr,
         text=True,
     )
 

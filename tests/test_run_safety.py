@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, cli_env, main_in, run_cli
+from conftest import TINY, cli_env, main_in, run_cli, start_cli
 
 EXIT_BAD_INPUT, EXIT_NUMERICAL, EXIT_IO_FAULT, EXIT_STOPPED = 2, 3, 74, 75
 FAST = [*TINY, "precision=fp32", "perf.calibrate_updates=0", "train.video_every_evals=0", "train.num_threads=1"]
@@ -119,14 +119,7 @@ def test_a_second_process_on_a_run_directory_exits_2_naming_the_holder_and_a_kil
 ):
     run_dir = copy_run(tiny_fp32_run, tmp_path)
     command = [f"run_dir={run_dir}", "resume=auto", "train.env_frames=1280", "trainer.enable_progress_bar=false"]
-    first = subprocess.Popen(
-        [sys.executable, "-m", "pixelsac.train", *command],
-        cwd=tmp_path,
-        env={**cli_env(), "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    first = start_cli(*command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         for line in first.stdout:
             if line.startswith("run directory:"):  # printed once the directory is locked
@@ -203,13 +196,7 @@ def test_overwrite_removes_the_old_checkpoints_before_a_kill_so_resume_auto_cann
     run_dir = copy_run(tiny_fp32_run, tmp_path)
     config = run_dir / "config.yaml"
     written = config.stat().st_mtime_ns
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pixelsac.train", *FAST, f"run_dir={run_dir}", "overwrite=true", "seed=2"],
-        cwd=tmp_path,
-        env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_cli(*FAST, f"run_dir={run_dir}", "overwrite=true", "seed=2", cwd=tmp_path, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
         while config.stat().st_mtime_ns == written and proc.poll() is None and time.monotonic() < deadline:
@@ -367,14 +354,7 @@ def test_checkpoints_are_written_in_place_not_under_the_system_temporary_folder(
 @pytest.mark.parametrize("gap", [0.0, 0.3])
 def test_signals_after_the_stopped_line_keep_exit_75(tmp_path, gap):
     run_dir = tmp_path / "stopped"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pixelsac.train", *FAST, "train.env_frames=640", f"run_dir={run_dir}"],
-        cwd=tmp_path,
-        env={**cli_env(), "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_cli(*FAST, "train.env_frames=640", f"run_dir={run_dir}", cwd=tmp_path, stdout=subprocess.PIPE)
     try:
         for line in proc.stdout:
             if line.startswith("run directory:"):
