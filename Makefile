@@ -33,13 +33,18 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	.venv/bin/pixelsac-train preset=tiny run_dir=runs/demo overwrite=true
 
-# every test (17-30 minutes on 2 CPU cores)
-test: setup lint
-	$(PY) -m pytest -q
+# One pytest worker per core (pytest-xdist); `make test TEST_JOBS=1` runs the suite in one process.
+# worksteal: the long end-to-end tests do not pile up on one worker.
+TEST_JOBS ?= auto
+PYTEST  := $(PY) -m pytest -q -n $(TEST_JOBS) --dist worksteal
 
-# the tests not marked slow: no end-to-end training runs (a few minutes)
+# every test
+test: setup lint
+	$(PYTEST)
+
+# the tests not marked slow: no end-to-end training runs
 test-fast: setup lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # ruff (pinned in constraints.txt, configured in pyproject.toml): lint rules and formatting
 lint: setup
