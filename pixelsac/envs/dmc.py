@@ -53,7 +53,7 @@ PLANET_ACTION_REPEAT: dict[str, int] = {
 OBS_KINDS = ("pixels", "state")
 
 
-def action_repeat_of(task: str, action_repeat: int | None) -> int | None:
+def action_repeat_of(task: str, action_repeat: int | None) -> int:
     """Env frames per agent step on ``task``: ``action_repeat``, or where it is None the PlaNet
     preset (1 for a task without one). Known before any environment is made."""
     return PLANET_ACTION_REPEAT.get(task, 1) if action_repeat is None else action_repeat
