@@ -29,7 +29,6 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from pixelsac import cli, rundir
 from pixelsac.cli import UsageError
 from pixelsac.config import EVAL_SEED_OFFSET, RANK_SEED_STRIDE, ConfigError, stored_config
-from pixelsac.envs.dmc import action_repeat_of
 
 
 @dataclass
@@ -172,23 +171,24 @@ def build_run(
         torch.set_num_threads(cfg.train.num_threads)
     L.seed_everything(cfg.seed, verbose=False)
 
-    # before any environment: making one renders, and its renderer line would precede the error
-    action_repeat = action_repeat_of(cfg.task, cfg.env.action_repeat)
-    seed_frames = cfg.train.seed_steps * action_repeat
+    # the checks that need no image come before the first render, whose renderer line would
+    # otherwise precede their one-line error
+    eval_env = cli.env_from_config(cfg, cfg.seed + EVAL_SEED_OFFSET)
+    seed_frames = cfg.train.seed_steps * eval_env.action_repeat
     if resume_from is None and cfg.train.updates_per_step > 0 and cfg.train.env_frames <= seed_frames:
+        eval_env.close()
         raise ConfigError(
             f"train.env_frames={cfg.train.env_frames} ends within the random seed phase "
-            f"(train.seed_steps={cfg.train.seed_steps} x action repeat {action_repeat} "
+            f"(train.seed_steps={cfg.train.seed_steps} x action repeat {eval_env.action_repeat} "
             f"= {seed_frames} frames), so no update would run; raise train.env_frames or lower "
             "train.seed_steps"
         )
-    eval_env = cli.env_from_config(cfg, cfg.seed + EVAL_SEED_OFFSET)
-    eval_env.render(16)  # a missing GL library fails here, before anything is written (no RNG drawn)
     try:
         check_replay_fits(cfg, eval_env, replay_device, world)
     except ConfigError:
         eval_env.close()
         raise
+    eval_env.render(16)  # a missing GL library fails here, before anything is written (no RNG drawn)
     rank_seed = cfg.seed + RANK_SEED_STRIDE * rank
     seeds = [rank_seed + i for i in range(cfg.env.num_envs)]
     env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1, **cli.env_kwargs(cfg))

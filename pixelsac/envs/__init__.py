@@ -5,8 +5,7 @@ from pixelsac.envs.dmc import (
     DMCEnv,
     EnvError,
     TimeStep,
-    action_repeat_of,
     available_tasks,
 )
 
-__all__ = ["PLANET_ACTION_REPEAT", "DMCEnv", "EnvError", "TimeStep", "action_repeat_of", "available_tasks"]
+__all__ = ["PLANET_ACTION_REPEAT", "DMCEnv", "EnvError", "TimeStep", "available_tasks"]

@@ -35,7 +35,6 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 __all__ = [
     "PLANET_ACTION_REPEAT",
     "DMCEnv",
-    "action_repeat_of",
     "EnvError",
     "TimeStep",
     "available_tasks",
@@ -51,13 +50,6 @@ PLANET_ACTION_REPEAT: dict[str, int] = {
 }
 
 OBS_KINDS = ("pixels", "state")
-
-
-def action_repeat_of(task: str, action_repeat: int | None) -> int:
-    """Env frames per agent step on ``task``: ``action_repeat``, or where it is None the PlaNet
-    preset (1 for a task without one). Known before any environment is made."""
-    return PLANET_ACTION_REPEAT.get(task, 1) if action_repeat is None else action_repeat
-
 
 _GL_HELP = (
     "install the Debian packages libegl1 libegl-mesa0 libgl1-mesa-dri and set MUJOCO_GL=egl "
@@ -285,7 +277,9 @@ class DMCEnv:
         self._image_size = _positive_int("image_size", image_size)
         stack = _positive_int("frame_stack", frame_stack)
         self._frame_stack = stack if obs == "pixels" else 1
-        self._action_repeat = _positive_int("action_repeat", action_repeat_of(task, action_repeat))
+        if action_repeat is None:
+            action_repeat = PLANET_ACTION_REPEAT.get(task, 1)
+        self._action_repeat = _positive_int("action_repeat", action_repeat)
         self._episode_frames = _positive_int("episode_frames", episode_frames)
 
         self._task = task
