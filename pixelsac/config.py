@@ -58,6 +58,7 @@ NULLABLE: dict[str, type] = {
     "lowp.derived_target": bool,
     "lowp.fp32_q_output": bool,
     "lowp.fp32_actor_loss": bool,
+    "lowp.fp32_actor_features": bool,
     "env.action_repeat": int,
     "env.camera_id": int,
     "env.shadow_size": int,

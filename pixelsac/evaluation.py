@@ -269,7 +269,14 @@ def _results(
     from pixelsac.precision import SIX
 
     # the switches pixelsac adds
-    beyond_six = ("unbiased_moments", "stochastic_weights", "derived_target", "fp32_q_output", "fp32_actor_loss")
+    beyond_six = (
+        "unbiased_moments",
+        "stochastic_weights",
+        "derived_target",
+        "fp32_q_output",
+        "fp32_actor_loss",
+        "fp32_actor_features",
+    )
 
     policy = module.precision_policy
     return {

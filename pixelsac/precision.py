@@ -134,6 +134,7 @@ class PrecisionPolicy:
     derived_target: bool = False
     fp32_q_output: bool = False
     fp32_actor_loss: bool = False
+    fp32_actor_features: bool = False
     channels_last: bool = False
     tf32: bool = False  # fp32 matmuls and convolutions on TF32 tensor cores (CUDA; perf.tf32)
     emulate_batch_chunk: int | None = None  # fp32_accumulate's samples per fp32 call (lowp.emulate_batch_chunk)
@@ -168,6 +169,9 @@ class PrecisionPolicy:
         fp32_actor_loss = cfg.lowp.get("fp32_actor_loss")
         if fp32_actor_loss is None:  # bf16 left 10-20% of the actor's gradient wrong (tools/grad_fidelity.py)
             fp32_actor_loss = mode == "bf16"
+        fp32_actor_features = cfg.lowp.get("fp32_actor_features")
+        if fp32_actor_features is None:  # bf16's trunk left 4-10% of the actor's gradient wrong (grad_fidelity)
+            fp32_actor_features = mode == "bf16"
         sync_free = cfg.perf.get("sync_free")
         if sync_free is None:
             sync_free = device_type == "cuda"
@@ -191,6 +195,7 @@ class PrecisionPolicy:
             derived_target=bool(derived_target) and switches["kahan_momentum"],
             fp32_q_output=bool(fp32_q_output) and low,
             fp32_actor_loss=bool(fp32_actor_loss) and low,
+            fp32_actor_features=bool(fp32_actor_features) and low,
             channels_last=bool(channels_last),
             tf32=bool(cfg.perf.get("tf32")) and device_type == "cuda",
             emulate_batch_chunk=cfg.lowp.get("emulate_batch_chunk"),
@@ -408,6 +413,8 @@ class PrecisionPolicy:
             on.append("fp32_q_output")
         if self.fp32_actor_loss:
             on.append("fp32_actor_loss")
+        if self.fp32_actor_features:
+            on.append("fp32_actor_features")
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""
         if self.is_pure_low and self.device_type == "cpu" and not self.fp32_accumulate:
             extra = f" (native {native_half_kernels(self.param_dtype) or 'reference'} conv/matmul on CPU)"

@@ -41,3 +41,28 @@ def test_an_fp32_variant_matches_the_judge_and_bf16_is_further_off_than_the_fp16
         assert error["as trained", group] < 0.05, (group, error["as trained", group])
     for group in ("critic.trunk", "critic.q1", "critic.q2"):
         assert error["bf16", group] > 2 * error["as trained", group], (group, error["bf16", group])
+
+
+def test_the_judge_can_read_the_pixel_values_the_run_reads():
+    """``--judge-pixels as-run``: the float64 judge reads k/255 as bf16 holds it (off by up to half
+    a grey level), widened exactly; its own dtypes stay float64."""
+    import dataclasses
+
+    import torch
+
+    from pixelsac.config import load_config
+    from pixelsac.precision import PrecisionPolicy
+
+    tool = load_tool()  # puts tools/ on the path
+    from drq_side_by_side import float64_policy
+
+    run_policy = PrecisionPolicy.from_config(load_config(["precision=bf16"]), "cpu")
+    judge_policy = dataclasses.replace(float64_policy(run_policy), fp32_accumulate=False)
+    as_run = tool.reading_pixels_as(judge_policy, run_policy)
+    frames = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 16, 16)
+    exact = judge_policy.cast_observation(frames)
+    read = as_run.cast_observation(frames)
+    assert read.dtype == exact.dtype == as_run.param_dtype == torch.float64
+    assert torch.equal(read, run_policy.cast_observation(frames).double())
+    assert 0.4 / 255 < float((read - exact).abs().max()) < 0.5 / 255  # bf16's spacing is 2⁻⁸ on [0.5, 1)
+    assert not as_run.fp32_accumulate and as_run.mode == "bf16"

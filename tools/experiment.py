@@ -68,8 +68,10 @@ MODES: dict[str, list[str]] = {
         "lowp.unbiased_moments=false",
         "lowp.fp32_q_output=false",
         "lowp.fp32_actor_loss=false",
+        "lowp.fp32_actor_features=false",
     ],
     "bf16-no-fp32_actor_loss": ["precision=bf16", "lowp.fp32_actor_loss=false"],
+    "bf16-no-fp32_actor_features": ["precision=bf16", "lowp.fp32_actor_features=false"],
     **{f"fp16-no-{s}": ["precision=fp16", f"lowp.{s}=false"] for s in SWITCHES},
 }
 MAIN = ["fp32", "fp16", "fp16-naive"]

@@ -11,6 +11,11 @@ with extra overrides (e.g. ``lowp.fp32_accumulate=false``), from the same weight
 
     python tools/grad_fidelity.py RUN_DIR --batches 8
 
+``--judge-pixels as-run``: the judge reads the pixel values the run reads (``float(k) / 255``
+rounded to its dtype, widened exactly) instead of exact ones, so that the comparison measures the
+run's arithmetic alone. bf16 holds k/255 only to within half a grey level, a fixed input
+transform that the critic and actor both see; ``exact`` (the default) counts it as error too.
+
 The judge is float64 Adam's view of the same step: a group whose cosine falls well below the
 others' is where the low precision loses the learning signal.
 """
@@ -141,6 +146,16 @@ def transplant(variant: SACModule, judge: SACModule) -> None:
                 param.copy_(value)
 
 
+def reading_pixels_as(judge_policy: Any, run_policy: Any) -> Any:
+    """``judge_policy`` whose observations are ``run_policy``'s, widened exactly to float64."""
+    fields = {f.name: getattr(judge_policy, f.name) for f in dataclasses.fields(judge_policy)}
+
+    def cast_observation(self: Any, obs: torch.Tensor) -> torch.Tensor:
+        return run_policy.cast_observation(obs).to(torch.float64)
+
+    return type("AsRunPixelsPolicy", (type(judge_policy),), {"cast_observation": cast_observation})(**fields)
+
+
 def grouped(grads: dict[str, torch.Tensor], module: SACModule) -> dict[str, torch.Tensor]:
     """Flat gradient per group; the actor's output layer split into μ rows and log σ rows."""
     last = [n for n, m in module.actor.policy.named_modules() if isinstance(m, torch.nn.Linear)][-1]
@@ -163,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variant", action="append", default=[], help='NAME="key=value ..." (repeatable)')
+    parser.add_argument(
+        "--judge-pixels",
+        choices=("exact", "as-run"),
+        default="exact",
+        help="the float64 judge reads exact pixel values (k/255) or those the run's dtype holds",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -170,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     module.augment.backend = "index"
     judge = copy.deepcopy(module).double()
     judge.precision_policy = dataclasses.replace(float64_policy(module.precision_policy), fp32_accumulate=False)
+    if args.judge_pixels == "as-run":
+        judge.precision_policy = reading_pixels_as(judge.precision_policy, module.precision_policy)
     contenders = {"as trained": module}
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
@@ -209,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     frames = checkpoint.get("pixelsac", {}).get("updates")
     lines = [
         f"Run {args.run_dir.name} ({from_plain(module.cfg).precision}, {frames} updates), "
-        f"{args.batches} replay batches; gradients against float64 from the same weights, shifts and noise.",
+        f"{args.batches} replay batches; gradients against float64 from the same weights, shifts and noise"
+        + (", reading the run's pixel values." if args.judge_pixels == "as-run" else "."),
         "",
         "| variant | group | cosine | ‖g − g64‖ / ‖g64‖ |",
         "|---|---|---|---|",

@@ -62,6 +62,7 @@ def _modes() -> dict[str, Mode]:
                 "lowp.derived_target=false",
                 "lowp.fp32_q_output=false",
                 "lowp.fp32_actor_loss=false",
+                "lowp.fp32_actor_features=false",
             ),
             "pure bf16, the five as published",
         ),
@@ -69,6 +70,11 @@ def _modes() -> dict[str, Mode]:
             "bf16-no-fp32_actor_loss",
             ("precision=bf16", "lowp.fp32_actor_loss=false"),
             "pure bf16 with the actor's loss in bf16 arithmetic (bf16's default before lowp.fp32_actor_loss)",
+        ),
+        Mode(
+            "bf16-no-fp32_actor_features",
+            ("precision=bf16", "lowp.fp32_actor_features=false"),
+            "pure bf16, the actor reading the bf16 trunk's features (the default before lowp.fp32_actor_features)",
         ),
         Mode(
             "fp16-native",
@@ -103,7 +109,13 @@ def _modes() -> dict[str, Mode]:
 MODES = _modes()
 #: the modes run when bench.modes is not given: conf/bench.yaml's default
 DEFAULT_MODES = tuple(str(load_options("bench", [])["modes"]).split(","))
-ABLATIONS = ("fp16-six", "bf16-six", "bf16-no-fp32_actor_loss", *(f"fp16-no-{switch}" for switch in SIX))
+ABLATIONS = (
+    "fp16-six",
+    "bf16-six",
+    "bf16-no-fp32_actor_loss",
+    "bf16-no-fp32_actor_features",
+    *(f"fp16-no-{switch}" for switch in SIX),
+)
 
 
 # --- options ---------------------------------------------------------------------------------
