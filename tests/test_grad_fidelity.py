@@ -38,9 +38,13 @@ def test_an_fp32_variant_matches_the_judge_and_bf16_is_further_off_than_the_fp16
     assert {"critic.trunk", "critic.q1", "actor.policy", "log_alpha", "actor output: mu rows"} <= groups
     for group in groups:
         assert error["fp32", group] < 1e-5, (group, error["fp32", group])
-        assert error["as trained", group] < 0.05, (group, error["as trained", group])
-    for group in ("critic.trunk", "critic.q1", "critic.q2"):
-        assert error["bf16", group] > 2 * error["as trained", group], (group, error["bf16", group])
+        # fp16's own arithmetic: 0.03-0.051 on the critic's trunk, by the threads the tiny run trained with
+        assert error["as trained", group] < 0.1, (group, error["as trained", group])
+    # over the critic's groups (one group alone swings 4x between tiny runs trained with 1 or 2
+    # threads): bf16 measured 1.8x (2 threads) to 2.5x (1 thread) the fp16 run's own error
+    critic = ("critic.trunk", "critic.proj", "critic.q1", "critic.q2")
+    bf16, fp16 = (sum(error[name, group] for group in critic) for name in ("bf16", "as trained"))
+    assert bf16 > 1.5 * fp16, (bf16, fp16)
 
 
 def test_the_judge_can_read_the_pixel_values_the_run_reads():
@@ -66,3 +70,22 @@ def test_the_judge_can_read_the_pixel_values_the_run_reads():
     assert torch.equal(read, run_policy.cast_observation(frames).double())
     assert 0.4 / 255 < float((read - exact).abs().max()) < 0.5 / 255  # bf16's spacing is 2⁻⁸ on [0.5, 1)
     assert not as_run.fp32_accumulate and as_run.mode == "bf16"
+
+
+@pytest.mark.slow
+def test_judge_pixels_as_run_reaches_the_judge(tiny_fp16_run: TrainedRun, tmp_path):
+    """Through the command line: with the judge reading the fp16 run's pixel values, an fp32
+    variant (exact pixels to fp32's rounding) no longer matches it to fp32's rounding, while the
+    run as trained still compares within its own arithmetic's error."""
+    tool = load_tool()
+    out = tmp_path / "as_run"
+    code = tool.main(
+        [str(tiny_fp16_run.run_dir), "--batches", "1", "--judge-pixels", "as-run",
+         "--variant", "fp32=precision=fp32", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    assert "reading the run's pixel values" in out.with_suffix(".md").read_text()
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    error = {(r["variant"], r["group"]): r["relative_error"] for r in rows}
+    assert error["fp32", "critic.trunk"] > 1e-5, error["fp32", "critic.trunk"]
+    assert error["as trained", "critic.trunk"] < 0.1, error["as trained", "critic.trunk"]
