@@ -152,25 +152,37 @@ def train(
     return run
 
 
+def start_lines(run: Any) -> list[str]:
+    """What a run says about itself before fitting: task, devices, precision, replay and, on a
+    CPU only, which half-precision kernels run. Described by the precision policy resolved for
+    the device the run trains on -- the module's own is the CPU's until the Trainer's setup, so a
+    CUDA run would otherwise describe this host's CPU kernels."""
+    from pixelsac.precision import PrecisionPolicy
+
+    cfg, device, world = run.cfg, run.trainer.strategy.root_device, run.trainer.world_size
+    policy = PrecisionPolicy.from_config(cfg, device.type)
+    lines = [
+        f"task {cfg.task} from {cfg.env.obs}, action repeat {run.env.action_repeat}; "
+        f"{world} x {device.type}; {policy.describe()}",
+        run.replay.describe() + (f" per rank, {world} ranks" if world > 1 else ""),
+    ]
+    kernels = policy.cpu_kernels()  # None off the CPU
+    if kernels is not None:
+        lines.append(kernels)
+    return lines
+
+
 def _fit(run: Any, resume_from: Path | None, resume_frames: int | None, resume: Any, say: Any) -> None:
     """Announce the run and fit it; a numerical failure leaves ``failure.json`` behind."""
     from pixelsac.precision import NumericalFailure
 
-    cfg, policy = run.cfg, run.module.precision_policy
     say(f"run directory: {run.run_dir}")
     if resume is not None:
         say(resume.describe())
     elif resume_from is not None:
         say(f"resuming from {resume_from} at env frame {resume_frames}")
-    device = run.trainer.strategy.root_device
-    say(
-        f"task {cfg.task} from {cfg.env.obs}, action repeat {run.env.action_repeat}; "
-        f"{run.trainer.world_size} x {device.type}; {policy.describe()}"
-    )
-    say(run.replay.describe() + (f" per rank, {run.trainer.world_size} ranks" if run.trainer.world_size > 1 else ""))
-    kernels = policy.cpu_kernels()
-    if kernels is not None:
-        say(kernels)
+    for line in start_lines(run):
+        say(line)
     try:
         with cli.quiet_lightning():
             # the checkpoint was loaded (and trusted or not) once, in resolve_run: the Trainer's

@@ -280,3 +280,33 @@ def test_the_actors_gradient_from_fp32_trunk_features_is_float64s_rounded_once(f
         assert error < 1.25 * rounded_once, (error, rounded_once)  # measured 1.11x (α = exp(log α) rounds too)
     else:
         assert error > 1.5 * rounded_once, (error, rounded_once)  # measured 2.2x; 20x on a trained agent
+
+
+def _run_on(device: str, *overrides: str):
+    """What :func:`pixelsac.train.start_lines` reads of a built run, on ``device``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        cfg=load_config(list(overrides)),
+        trainer=SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), world_size=1),
+        env=SimpleNamespace(action_repeat=8),
+        replay=SimpleNamespace(describe=lambda: "replay buffer: (stand-in)"),
+    )
+
+
+def test_a_cuda_run_says_nothing_about_the_hosts_cpu_kernels(cpu_with):
+    """The run's start-up lines describe the policy of the device it trains on: the module's own
+    policy is the CPU's until the Trainer's setup, and a CUDA run used to print this host's
+    ``fp16: native kernels (avx512_fp16), expect ~1.8x fp32's updates/s``."""
+    from pixelsac.train import start_lines
+
+    cpu_with(torch.float16)
+    on_cpu = "\n".join(start_lines(_run_on("cpu", "precision=fp16")))
+    assert "fp16: native kernels (avx512_fp16)" in on_cpu and "1 x cpu" in on_cpu
+    for mode in ("fp16", "bf16"):
+        on_gpu = "\n".join(start_lines(_run_on("cuda", f"precision={mode}")))
+        assert "1 x cuda" in on_gpu
+        for cpu_words in ("avx512", "kernels", "on CPU", "emulated", "fp32-accumulated"):
+            assert cpu_words not in on_gpu, (mode, on_gpu)
+    fp32_on_gpu = "\n".join(start_lines(_run_on("cuda", "precision=fp32")))
+    assert "TF32 off (IEEE fp32)" in fp32_on_gpu  # what applies to the GPU instead
