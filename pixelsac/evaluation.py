@@ -50,7 +50,8 @@ class EvalOptions:
 # --- loading --------------------------------------------------------------------------------------
 def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -> Any:
     """The checkpoint's SACModule, in eval mode on ``device``, with its precision policy resolved
-    for that device (a run trained on a GPU evaluated on a CPU gets the CPU's compute path)."""
+    for that device (a run trained on a GPU evaluated on a CPU gets the CPU's compute path) and
+    that policy's process-wide numerics set (TF32 only with ``perf.tf32``), as in training."""
 
     from pixelsac.module import SACModule
     from pixelsac.precision import PrecisionPolicy, nonfinite_names
@@ -72,6 +73,8 @@ def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -
         ) from exc
     module = module.to(device)
     module.precision_policy = PrecisionPolicy.from_config(module.cfg, device.type)
+    # as in training (SACModule.setup): an fp32 agent on CUDA runs IEEE fp32, not cuDNN's default TF32
+    module.precision_policy.apply_global_numerics()
     return module.eval()
 
 

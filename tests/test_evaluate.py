@@ -356,3 +356,47 @@ def test_upscale_nearest_repeats_pixels():
     image = np.arange(12, dtype=np.uint8).reshape(2, 2, 3)
     np.testing.assert_array_equal(video.upscale_nearest(image, 6), image.repeat(3, axis=0).repeat(3, axis=1))
     assert video.upscale_nearest(np.zeros((3, 3, 3), np.uint8), 7).shape == (7, 7, 3)
+
+
+@pytest.fixture
+def global_numerics():
+    """Puts torch's process-wide TF32 switches back as they were."""
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+    torch.set_float32_matmul_precision(saved[2])
+
+
+def _handmade_checkpoint(tmp_path: Path, *overrides: str) -> tuple[Path, dict]:
+    from test_checkpoint import written
+    from test_module import make_module
+
+    file = tmp_path / "handmade.ckpt"
+    torch.save(written(make_module(*overrides)), file)
+    return file, torch.load(file, map_location="cpu", weights_only=True)
+
+
+def test_loading_an_agent_sets_its_policys_global_numerics(tmp_path, global_numerics):
+    """cuDNN takes TF32 for fp32 convolutions unless told otherwise (torch's default): evaluation
+    sets the policy's numerics as training does, so an fp32 agent is evaluated in IEEE fp32."""
+    file, checkpoint = _handmade_checkpoint(tmp_path, "precision=fp32")
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    ev.load_agent(file, checkpoint, torch.device("cpu"))
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tf32", [False, True])
+def test_an_fp32_agent_on_a_gpu_evaluates_with_tf32_only_when_trained_so(tmp_path, global_numerics, tf32):
+    file, checkpoint = _handmade_checkpoint(tmp_path, "precision=fp32", f"perf.tf32={str(tf32).lower()}")
+    torch.backends.cudnn.allow_tf32 = not tf32
+    torch.backends.cuda.matmul.allow_tf32 = not tf32
+    module = ev.load_agent(file, checkpoint, torch.device("cuda"))
+    assert module.precision_policy.tf32 is tf32
+    assert torch.backends.cudnn.allow_tf32 is tf32 and torch.backends.cuda.matmul.allow_tf32 is tf32
