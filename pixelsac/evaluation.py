@@ -133,9 +133,12 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
 
     from pixelsac.checkpoint import load, resolve, saved_counters
     from pixelsac.collect import run_episodes
+    from pixelsac.envs.dmc import select_egl_device
     from pixelsac.video import EpisodeRecorder
 
     device = cli.resolve_device(options.device)
+    if device.type == "cuda":  # render on the GPU that runs the agent (before dm_control loads)
+        select_egl_device(device.index if device.index is not None else torch.cuda.current_device())
     checkpoint_file = resolve(options.checkpoint, options.prefer).resolve()
     checkpoint = load(checkpoint_file, map_location="cpu", trust=options.trust_checkpoint)
     config = checkpoint["hyper_parameters"]["config"]

@@ -383,18 +383,39 @@ def test_a_smaller_shadow_map_changes_only_shadow_edges(make_env):
     [
         ({"MUJOCO_GL": "egl", "LOCAL_RANK": "1"}, 2, "1"),
         ({"MUJOCO_GL": "egl", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "2,3"}, 4, "3"),
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "2,3"}, 4, "2"),
+        ({"MUJOCO_GL": "egl", "CUDA_VISIBLE_DEVICES": "2,3"}, 4, "2"),  # rank 0 before LOCAL_RANK is set
+        ({"MUJOCO_GL": "egl", "CUDA_VISIBLE_DEVICES": "3"}, 4, "3"),  # one run on GPU 3 renders there, not on 0
+        ({"MUJOCO_GL": "egl"}, 2, "0"),  # one run, every GPU visible: cuda:0
         ({"MUJOCO_GL": "egl", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "GPU-1a2b,GPU-3c4d"}, 2, None),
         ({"MUJOCO_GL": "egl", "LOCAL_RANK": "1", "MUJOCO_EGL_DEVICE_ID": "0"}, 2, None),  # the user's choice
+        ({"MUJOCO_GL": "egl", "MUJOCO_EGL_DEVICE_ID": "0", "CUDA_VISIBLE_DEVICES": "3"}, 4, None),
         ({"MUJOCO_GL": "osmesa", "LOCAL_RANK": "1"}, 2, None),
         ({"MUJOCO_GL": "egl", "LOCAL_RANK": "1"}, 0, None),  # no NVIDIA GPU: Mesa's one device
-        ({"MUJOCO_GL": "egl"}, 2, None),  # not a data-parallel rank
         ({"MUJOCO_GL": "egl", "LOCAL_RANK": "2"}, 2, None),  # more ranks than GPUs: EGL's choice
+        ({"MUJOCO_GL": "egl", "CUDA_VISIBLE_DEVICES": ""}, 2, None),  # no GPU visible to CUDA
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "x"}, 2, None),
     ],
 )
-def test_each_rank_renders_on_its_own_egl_device(environ, gpus, expected):
-    from pixelsac.envs.dmc import egl_device_for_rank
+def test_each_process_renders_on_the_egl_device_of_its_cuda_device(environ, gpus, expected):
+    from pixelsac.envs.dmc import egl_device_for_process
 
-    assert egl_device_for_rank(environ, gpus) == expected
+    assert egl_device_for_process(environ, gpus) == expected
+
+
+@pytest.mark.parametrize(
+    "environ,cuda_index,expected",
+    [
+        ({"MUJOCO_GL": "egl"}, 1, "1"),  # e.g. pixelsac-evaluate device=cuda:1
+        ({"MUJOCO_GL": "egl", "CUDA_VISIBLE_DEVICES": "1,2"}, 1, "2"),
+        ({"MUJOCO_GL": "egl", "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "1,2"}, 1, "2"),  # the known device wins
+        ({"MUJOCO_GL": "egl", "CUDA_VISIBLE_DEVICES": "1,2"}, 2, None),
+    ],
+)
+def test_a_known_cuda_device_picks_the_egl_device(environ, cuda_index, expected):
+    from pixelsac.envs.dmc import egl_device_for_process
+
+    assert egl_device_for_process(environ, 4, cuda_index) == expected
 
 
 def test_egl_device_is_set_before_dm_control_is_imported_and_the_renderer_is_said():

@@ -78,30 +78,40 @@ def _gl_error(err: BaseException) -> EnvError:
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"  # one entry per GPU the NVIDIA driver sees
 
 
-def egl_device_for_rank(environ: Mapping[str, str], nvidia_gpus: int) -> str | None:
-    """The EGL device a data-parallel rank should render on, or None to leave EGL's choice.
+def egl_device_for_process(environ: Mapping[str, str], nvidia_gpus: int, cuda_index: int | None = None) -> str | None:
+    """The EGL device this process should render on -- the GPU it trains on -- or None to leave
+    EGL's choice (the first device that initialises: device 0 on an NVIDIA machine).
 
-    Each rank trains on CUDA device ``LOCAL_RANK`` (an index into ``CUDA_VISIBLE_DEVICES``);
-    without ``MUJOCO_EGL_DEVICE_ID`` every rank's renderer would take EGL device 0. EGL lists
-    every GPU the driver sees, whatever ``CUDA_VISIBLE_DEVICES`` says, so the rank's index is
-    mapped through that list to the driver's numbering (the same as CUDA's with
-    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``). None when the user set ``MUJOCO_EGL_DEVICE_ID``, when
-    rendering is not EGL, when there is no rank or no NVIDIA GPU (Mesa's software EGL has one
-    device: every rank shares it), or when the mapping is unknown (GPUs listed by UUID).
+    The process trains on CUDA device ``cuda_index`` (torch's numbering: an index into
+    ``CUDA_VISIBLE_DEVICES``) when given, else on ``LOCAL_RANK``: a data-parallel rank trains on
+    the visible device of its local rank, and a process without ``LOCAL_RANK`` -- one run alone,
+    or rank 0, which Lightning's launcher starts before it sets ``LOCAL_RANK`` for the others --
+    on the first visible device. EGL lists every GPU the driver sees, whatever
+    ``CUDA_VISIBLE_DEVICES`` says, so that index is mapped through that list to the driver's
+    numbering (the same as CUDA's with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``): with
+    ``CUDA_VISIBLE_DEVICES=3`` a single run renders on EGL device 3, not 0. None when the user
+    set ``MUJOCO_EGL_DEVICE_ID``, when rendering is not EGL, when there is no NVIDIA GPU (Mesa's
+    software EGL has one device: every process shares it), or when the mapping is unknown (GPUs
+    listed by UUID, an index past the list). A run given an explicit device list
+    (``trainer.devices=[2,3]``) trains rank r on the r-th entry of that list, which is not known
+    when dm_control loads: set ``MUJOCO_EGL_DEVICE_ID`` there, or ``CUDA_VISIBLE_DEVICES=2,3``
+    with ``trainer.devices=2``.
     """
     if "MUJOCO_EGL_DEVICE_ID" in environ or environ.get("MUJOCO_GL") != "egl" or nvidia_gpus <= 0:
         return None
-    local_rank = environ.get("LOCAL_RANK", "").strip()
-    if not local_rank.isdigit():
-        return None
-    rank = int(local_rank)
+    if cuda_index is None:
+        local_rank = environ.get("LOCAL_RANK", "0").strip() or "0"
+        if not local_rank.isdigit():
+            return None
+        cuda_index = int(local_rank)
+    index = cuda_index
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         ids = [item.strip() for item in visible.split(",") if item.strip()]
-        if rank >= len(ids) or not ids[rank].isdigit():
+        if index >= len(ids) or not ids[index].isdigit():
             return None
-        rank = int(ids[rank])
-    return str(rank) if rank < nvidia_gpus else None
+        index = int(ids[index])
+    return str(index) if index < nvidia_gpus else None
 
 
 def _nvidia_gpu_count() -> int:
@@ -111,10 +121,11 @@ def _nvidia_gpu_count() -> int:
         return 0
 
 
-def select_egl_device() -> str | None:
-    """Set ``MUJOCO_EGL_DEVICE_ID`` for this rank (see :func:`egl_device_for_rank`); must run
-    before dm_control or mujoco are imported. Returns what it set."""
-    device = egl_device_for_rank(os.environ, _nvidia_gpu_count())
+def select_egl_device(cuda_index: int | None = None) -> str | None:
+    """Set ``MUJOCO_EGL_DEVICE_ID`` for this process (see :func:`egl_device_for_process`;
+    ``cuda_index``: the CUDA device it trains on, when known); must run before dm_control or
+    mujoco are imported (dm_control opens its EGL display at import). Returns what it set."""
+    device = egl_device_for_process(os.environ, _nvidia_gpu_count(), cuda_index)
     if device is not None:
         os.environ["MUJOCO_EGL_DEVICE_ID"] = device
     return device
