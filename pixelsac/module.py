@@ -40,7 +40,7 @@ from pixelsac.checkpoint import FORMAT_VERSION, CheckpointError, first_line
 from pixelsac.config import from_plain
 from pixelsac.graphs import UpdateGraphs
 from pixelsac.nets import apply_speed_options, build_networks, in_fp32
-from pixelsac.precision import NumericalFailure, PrecisionPolicy, nonfinite_names
+from pixelsac.precision import NumericalFailure, PrecisionPolicy, keep_execution_flags, nonfinite_names
 
 LOSSES = ("critic", "actor", "alpha")
 ACTOR_METRICS = ("actor_loss", "alpha_loss", "entropy")
@@ -183,6 +183,9 @@ class SACModule(L.LightningModule):
         self._pending_scaler_states = state.get("scalers", {})
 
     def on_fit_start(self) -> None:
+        # before Lightning restores a checkpoint's optimizer states: this run's fused/capturable/foreach win
+        for optimizer in self.trainer.optimizers:
+            keep_execution_flags(optimizer)
         for name, scaler_state in getattr(self, "_pending_scaler_states", {}).items():
             if self.scalers.get(name) is not None:
                 self.scalers[name].load_state_dict(scaler_state)

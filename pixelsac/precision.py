@@ -499,3 +499,27 @@ def materialize_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> 
                 p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+#: Param-group keys that say how torch's optimizers run, not what they compute. A checkpoint
+#: written under other perf.*/trainer settings (another device, perf.sync_free, AMP) holds its own;
+#: loaded as they are, fused AMP would meet a non-fused GradScaler path, or fp32 graphs capture a
+#: step that reads its count on the host.
+EXECUTION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def keep_execution_flags(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.load_state_dict`` keep the :data:`EXECUTION_FLAGS` this optimizer was
+    built with: the run's settings win over the checkpoint's ``param_groups``. A pre-hook, so
+    that torch places each ``step`` count where these flags want it (on the parameter's device
+    when fused or capturable, else where it was saved). Returns ``optimizer``."""
+    built = [{key: group[key] for key in EXECUTION_FLAGS if key in group} for group in optimizer.param_groups]
+
+    def run_flags_win(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+        saved = state_dict.get("param_groups")
+        if not isinstance(saved, list) or len(saved) != len(built):
+            return None  # torch refuses a group mismatch itself
+        return {**state_dict, "param_groups": [{**group, **flags} for group, flags in zip(saved, built)]}
+
+    optimizer.register_load_state_dict_pre_hook(run_flags_win)
+    return optimizer

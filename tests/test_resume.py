@@ -271,3 +271,56 @@ def test_sync_free_target_copy_overflow_stops_at_the_next_health_check():
     ):
         fit(module, [make_batch(seed=i) for i in range(6)])
     assert module.updates == 3
+
+
+@pytest.mark.parametrize(
+    "saved_with,resumed_with",
+    [("perf.sync_free=false", "perf.sync_free=true"), ("perf.sync_free=true", "perf.sync_free=false")],
+)
+def test_a_resume_under_other_settings_keeps_the_optimizers_built_for_it(tmp_path, saved_with, resumed_with):
+    """torch Adam's fused / capturable / foreach come from this run's settings, not from the
+    checkpoint's param_groups (restored as they were, AMP failed its first step and fp32 CUDA
+    graphs their capture). fp32 on a CPU: perf.sync_free picks fused Adam, else foreach."""
+    import lightning as L
+    from test_module import fit, make_batch, make_module
+    from torch.utils.data import DataLoader
+
+    from pixelsac.precision import EXECUTION_FLAGS
+
+    def flags(optimizers):
+        return [{key: group.get(key) for key in EXECUTION_FLAGS} for opt in optimizers for group in opt.param_groups]
+
+    def steps(optimizers):
+        return [float(state["step"]) for opt in optimizers for state in opt.state.values()]
+
+    torch.manual_seed(0)
+    first = make_module("precision=fp32", saved_with)
+    trainer = fit(first, [make_batch(seed=0), make_batch(seed=1)])
+    saved_flags, saved_steps = flags(trainer.optimizers), steps(trainer.optimizers)
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if not seen:  # after the checkpoint's optimizer states were loaded, before a step
+                seen["flags"] = flags(trainer.optimizers)
+                seen["steps"] = steps(trainer.optimizers)
+
+    second = make_module("precision=fp32", resumed_with)
+    resumed = L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Look()],
+    )
+    resumed.fit(second, DataLoader([make_batch(seed=2)], batch_size=None), ckpt_path=tmp_path / "a.ckpt")
+    expected = make_module("precision=fp32", resumed_with)
+    expected_flags = flags(expected.configure_optimizers())
+    assert saved_flags != expected_flags  # the two settings do build different optimizers
+    assert seen["flags"] == expected_flags
+    assert seen["steps"] == saved_steps and saved_steps  # the moments and counts were restored all the same
+    assert second.updates == 3
