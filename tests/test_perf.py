@@ -1,6 +1,7 @@
 """Throughput and memory tracking: the clock, the memory probe, the fp32 calibration and the
 run callback's logs and summary -- on a tiny agent fitted on synthetic batches, no environment."""
 
+import dataclasses
 import gc
 import json
 import math
@@ -676,3 +677,82 @@ def test_resuming_reuses_the_saved_fp32_reference(tmp_path, monkeypatch, capsys)
     summary = json.loads((tmp_path / "b" / "run" / "summary.json").read_text())
     assert summary["speedup_basis"].endswith("saved in the checkpoint, not timed again")
     assert summary["fp32"]["ms_per_update"] == first.fp32.ms_per_update
+
+
+def _replay(device=None, pin_memory=False):
+    """A stand-in for the run's ReplaySet: where its rings live and whether they pin batches."""
+    return types.SimpleNamespace(device=device, buffers=[types.SimpleNamespace(pin_memory=pin_memory)])
+
+
+@pytest.mark.parametrize(
+    "replay,device,source",
+    [
+        (_replay(torch.device("cuda", 0)), "cuda", "device"),  # replay.device=auto on a GPU
+        (_replay(None, pin_memory=True), "cuda", "pinned"),  # host rings, replay.pin_memory (CUDA default)
+        (_replay(None, pin_memory=False), "cuda", "host"),  # replay.pin_memory=false
+        (_replay(None, pin_memory=False), "cpu", "host"),
+        (_replay(torch.device("cuda", 0)), "cpu", "host"),  # a CPU update reads host tensors whatever
+        (None, "cuda", "host"),  # a collector without a replay
+    ],
+)
+def test_the_batch_source_is_where_the_runs_replay_hands_its_batches(replay, device, source):
+    assert perf.batch_source_of(replay, torch.device(device)) == source
+
+
+def test_place_batch_moves_only_where_asked():
+    batch = perf.synthetic_batch(4, OBS_SHAPE, ACTION_DIM)
+    assert perf.place_batch(batch, "host", torch.device("cpu")) is batch
+    on_device = perf.place_batch(batch, "device", torch.device("cpu"))
+    assert all(torch.equal(on_device[k], batch[k]) for k in batch)
+    with pytest.raises(ValueError, match="batch source 'disk'"):
+        perf.place_batch(batch, "disk", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "replay,source", [(_replay(torch.device("cuda", 0)), "device"), (_replay(None, pin_memory=True), "pinned")]
+)
+def test_the_fp32_calibration_is_fed_the_runs_kind_of_batch(tmp_path, monkeypatch, replay, source):
+    """A CUDA run samples pinned or on-device batches: its fp32 reference must not pay a
+    synchronous pageable copy the run does not (that biased the in-loop speed-up toward fp16).
+    On this CPU the placement and the timing are stand-ins; the GPU test below places for real."""
+    placed, timed_on = [], []
+
+    def place(batch, where, device):
+        placed.append((where, device))
+        return batch
+
+    def time_updates(config, obs_shape, action_dim, batch, device, updates, warmup, **kwargs):
+        timed_on.append(batch)
+        return perf.TimedUpdates(
+            ms=[5.0, 5.0],
+            state={"parameters": 1, "optimizer": 1, "target": 1, "total": 3},
+            peak_bytes=None,
+            finite_after_first=True,
+            finite_at_end=True,
+            skipped={},
+            loss_scales={},
+        )
+
+    monkeypatch.setattr(perf.tracker, "place_batch", place)
+    monkeypatch.setattr(perf.tracker, "time_updates", time_updates)
+    cfg = load_config([*TINY_AGENT, "precision=fp16"])
+    module = SACModule(to_plain(cfg), OBS_SHAPE, ACTION_DIM)
+    tracker = perf.PerfTracker(types.SimpleNamespace(replay=replay), tmp_path / "run", cfg)
+    reference = tracker.calibrate(module, torch.device("cuda", 0))
+    assert placed == [(source, torch.device("cuda", 0))] and len(timed_on) == 1
+    assert reference.batch_source == source
+    expected = {"device": "batches on the device", "pinned": "batches in pinned host memory"}[source]
+    assert expected in reference.describe()
+    # a reference saved before the batch source was recorded reads as a host batch
+    old = {k: v for k, v in dataclasses.asdict(reference).items() if k != "batch_source"}
+    tracker.load_state_dict({"fp32": old, "batch_size": tracker.batch_size})
+    assert tracker.fp32.batch_source == "host" and "batches" not in tracker.fp32.describe()
+
+
+@pytest.mark.gpu
+def test_placed_batches_are_pinned_or_on_the_gpu():
+    batch = perf.synthetic_batch(4, OBS_SHAPE, ACTION_DIM)
+    device = torch.device("cuda", 0)
+    assert all(v.is_pinned() for v in perf.place_batch(batch, "pinned", device).values())
+    assert all(v.device == device for v in perf.place_batch(batch, "device", device).values())
+    assert not any(v.is_pinned() for v in perf.place_batch(batch, "host", device).values())

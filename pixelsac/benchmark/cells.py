@@ -54,16 +54,13 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
     import torch
 
     from pixelsac.nets import apply_speed_options
-    from pixelsac.perf import synthetic_batch, time_updates
+    from pixelsac.perf import place_batch, synthetic_batch, time_updates
 
     cfg = load_config(spec.overrides)
     mode = MODES[spec.mode]
     device = torch.device(spec.device)  # the module's precision policy sets TF32 (perf.tf32) in its setup
     batch = synthetic_batch(spec.batch_size, tuple(spec.obs_shape), spec.action_dim, seed=int(cfg.seed))
-    if spec.batch_source == "pinned":
-        batch = {k: v.pin_memory() for k, v in batch.items()}
-    elif spec.batch_source == "device":
-        batch = {k: v.to(device) for k, v in batch.items()}
+    batch = place_batch(batch, spec.batch_source, device)
 
     def prepare(module: Any) -> None:
         # the layout is the module's own (perf.channels_last in the cell's overrides)

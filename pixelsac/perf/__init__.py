@@ -13,12 +13,15 @@ One job per file:
 """
 
 from pixelsac.perf.calibration import (
+    BATCH_SOURCES,
     EMULATION_CHOICES,
     EMULATION_FORMS,
     Fp32Reference,
     TimedUpdates,
+    batch_source_of,
     fp32_reference_config,
     interleaved_forms,
+    place_batch,
     synthetic_batch,
     time_updates,
 )
@@ -49,6 +52,7 @@ from pixelsac.perf.summary import (
 from pixelsac.perf.tracker import PerfTracker
 
 __all__ = [
+    "BATCH_SOURCES",
     "EMULATION_CHOICES",
     "EMULATION_FORMS",
     "MEMORY_FIGURES",
@@ -62,6 +66,7 @@ __all__ = [
     "TimedUpdates",
     "UpdateClock",
     "UpdateTimer",
+    "batch_source_of",
     "build_summary",
     "format_summary",
     "fp32_reference_config",
@@ -69,6 +74,7 @@ __all__ = [
     "interleaved_forms",
     "module_state_tensors",
     "parameters_finite",
+    "place_batch",
     "ratio",
     "rss_bytes",
     "rss_peak_bytes",

@@ -1,7 +1,8 @@
 """The fp32 calibration harness: time the real update step of a fresh agent on one batch.
 
 :func:`time_updates` runs ``SACModule.training_step`` on one synthetic batch under a throwaway
-Trainer. The start-up fp32 calibration of a run (:class:`pixelsac.perf.tracker.PerfTracker`) and
+Trainer, the batch placed as the run's or the benchmark cell's (:func:`place_batch`). The
+start-up fp32 calibration of a run (:class:`pixelsac.perf.tracker.PerfTracker`) and
 ``python -m pixelsac.bench`` both use it.
 """
 
@@ -173,6 +174,39 @@ def synthetic_batch(
     }
 
 
+#: Where a batch is when the update starts: pageable host memory, page-locked (pinned) host
+#: memory, or already on the training device.
+BATCH_SOURCES = ("host", "pinned", "device")
+
+
+def place_batch(batch: dict[str, torch.Tensor], source: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """``batch`` (host tensors) where ``source`` says: as it is (``host``), copied into pinned
+    memory (``pinned``, CUDA only) or onto ``device`` (``device``). The update then copies it
+    the way a run's batches are copied: synchronously from pageable memory, asynchronously from
+    pinned memory, or not at all."""
+    if source not in BATCH_SOURCES:
+        raise ValueError(f"batch source {source!r}; choose one of {', '.join(BATCH_SOURCES)}")
+    if source == "pinned":
+        return {k: v.pin_memory() for k, v in batch.items()}
+    if source == "device":
+        return {k: v.to(device) for k, v in batch.items()}
+    return batch
+
+
+def batch_source_of(replay: Any, device: torch.device) -> str:
+    """Where a run's replay hands its batches to an update on ``device`` (:data:`BATCH_SOURCES`):
+    ``device`` when the rings live on the training GPU (``replay.device``), ``pinned`` when host
+    rings return page-locked batches (``pin_memory``, on by default for a CUDA run), else
+    ``host``. A CPU run's batches are host tensors whatever the replay says."""
+    if replay is None or device.type == "cpu":
+        return "host"
+    replay_device = getattr(replay, "device", None)
+    if replay_device is not None and torch.device(replay_device).type != "cpu":
+        return "device"
+    rings = getattr(replay, "buffers", None) or [replay]
+    return "pinned" if getattr(rings[0], "pin_memory", False) else "host"
+
+
 def _trainer_device_args(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         return {"accelerator": "cuda", "devices": [device.index or 0]}
@@ -333,11 +367,15 @@ class Fp32Reference:
     host_load: str | None = None  # HostLoad.describe()
     cuda_graphs: bool = False  # timed as graph replays, like the run
     graph_setup_updates: int = 0  # graph warm-ups and captures, untimed
+    batch_source: str = "host"  # where its batch was, as the run's (BATCH_SOURCES; "host" before it was said)
 
     def describe(self) -> str:
         """What this figure is: a short estimate at start-up, how many updates, how reliable."""
         graphs = ", CUDA graph replays" if self.cuda_graphs else ""
-        text = f"fp32 start-up estimate over {self.updates} updates (after {self.warmup} warm-up{graphs})"
+        where = {"pinned": ", batches in pinned host memory", "device": ", batches on the device"}.get(
+            self.batch_source, ""
+        )
+        text = f"fp32 start-up estimate over {self.updates} updates (after {self.warmup} warm-up{graphs}{where})"
         if self.host_busy:
             text += f"; unreliable: the host was busy ({self.host_load})"
         return text

@@ -21,7 +21,9 @@ from pixelsac.graphs import update_cycle
 from pixelsac.perf import meters
 from pixelsac.perf.calibration import (
     Fp32Reference,
+    batch_source_of,
     fp32_reference_config,
+    place_batch,
     synthetic_batch,
     time_updates,
 )
@@ -105,9 +107,14 @@ class PerfTracker(UpdateTimer):
         self.peak = PeakMemory(trainer.strategy.root_device)
 
     def calibrate(self, module: Any, device: torch.device) -> Fp32Reference:
-        """Time ``calibrate_updates`` updates of an fp32 copy of ``module``'s agent."""
+        """Time ``calibrate_updates`` updates of an fp32 copy of ``module``'s agent, on a batch
+        where the run's replay puts its batches (pinned host memory, or on the device): a
+        pageable batch would charge the fp32 reference a synchronous copy the run does not pay."""
         start = meters._now()
-        batch = synthetic_batch(self.batch_size, module.obs_shape, module.action_dim, seed=self.seed)
+        source = batch_source_of(getattr(self.collector, "replay", None), device)
+        batch = place_batch(
+            synthetic_batch(self.batch_size, module.obs_shape, module.action_dim, seed=self.seed), source, device
+        )
         with HostLoadMeter() as load:
             timed = time_updates(
                 fp32_reference_config(module.hparams["config"]),
@@ -134,6 +141,7 @@ class PerfTracker(UpdateTimer):
             host_load=host.describe(),
             cuda_graphs=timed.graph_setup_updates > 0,
             graph_setup_updates=timed.graph_setup_updates,
+            batch_source=source,
         )
 
     # --- the reference travels with the checkpoint ----------------------------------------------
