@@ -32,9 +32,11 @@ bf16 keeps the buffer).
 
 ``perf.sync_free`` (default: on for CUDA) keeps every decision of an update on the device: hAdam
 capturable with device-side skips and loss scales (fp16 + six, bf16), fused torch Adam (fp32,
-AMP, where GradScaler then needs no host read either), the target's ``K·θ`` check deferred to the
-health check. A step whose fp16 switches leave torch Adam or KahanAdam under compound loss
-scaling (the no-hAdam ablation) still decides on the host. On a CPU, ``lowp.fp32_accumulate`` (on by default there) runs
+AMP, where GradScaler then needs no host read either) with its step count on the device, the
+target's ``K·θ`` check deferred to the health check. fp32 on CUDA runs fused Adam either way, so
+the switch changes where its step count is read, not its kernels. A step whose fp16 switches
+leave torch Adam or KahanAdam under compound loss scaling (the no-hAdam ablation) still decides
+on the host. On a CPU, ``lowp.fp32_accumulate`` (on by default there) runs
 convolutions and matmuls with fp32 accumulation and rounds their outputs to fp16 -- what GPU
 tensor cores do -- because this CPU's native fp16 kernels are 5-14x slower than fp32. Storage and
 every elementwise op stay fp16.
@@ -290,9 +292,13 @@ class PrecisionPolicy:
         # torch's capturable Adam (step counts read on the device, graph-safe) exists for CUDA only;
         # on a CPU the host reads of the step count cost nothing
         capturable = self.sync_free and self.device_type == "cuda"
-        if self.sync_free and not self.is_pure_low:
+        # fp32 on CUDA: fused with or without perf.sync_free, which then changes only the step
+        # count's place (capturable), not the kernels a benchmark of the switch compares
+        fused_anyway = self.mode == "fp32" and self.device_type == "cuda"
+        if (self.sync_free or fused_anyway) and not self.is_pure_low:
             # fused: step counts on the device, and GradScaler hands it found_inf instead of
-            # reading it on the host (fp32 and AMP keep fp32 weights, which fused Adam expects)
+            # reading it on the host (fp32 and AMP keep fp32 weights, which fused Adam expects);
+            # a CPU has no capturable Adam: there the fused step is what makes fp32/AMP sync-free
             return torch.optim.Adam(params, lr=lr, betas=betas, eps=self.adam_eps, fused=True, capturable=capturable)
         # foreach keeps the elementwise Adam math in the parameter dtype on every device
         return torch.optim.Adam(params, lr=lr, betas=betas, eps=self.adam_eps, foreach=True, capturable=capturable)

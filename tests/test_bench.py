@@ -290,3 +290,36 @@ def test_command_line_refuses_bad_input_with_exit_code_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith("error: ")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sync_free_part_changes_perf_sync_free_alone(tmp_path):
+    """bench.sync_free=both: each host_sync cell's overrides are its sync_free twin's but for
+    perf.sync_free (it also switched the random shift, index against kornia, so the 'gain' was
+    not sync-freedom's); and fp32 on CUDA builds the same fused Adam both ways."""
+    plan = plan_mod.make_plan(
+        [*TINY, "bench.modes=fp32,fp16", "bench.sync_free=both", f"bench.out={tmp_path / 'unused'}"]
+    )
+    by_variant = {}
+    for cell in plan.cells:
+        by_variant.setdefault(cell.speed_variant, {})[cell.mode] = cell.overrides
+    assert set(by_variant) == {"host_sync", "sync_free"}
+    for mode in ("fp32", "fp16"):
+        off, on = by_variant["host_sync"][mode], by_variant["sync_free"][mode]
+        assert [o for o in off if o != "perf.sync_free=false"] == [o for o in on if o != "perf.sync_free=true"]
+        assert "perf.sync_free=false" in off and "perf.sync_free=true" in on
+        assert not any(o.startswith("perf.aug_backend") for o in on + off)
+
+    from pixelsac.config import load_config
+    from pixelsac.precision import PrecisionPolicy
+
+    def adam(overrides, device):
+        policy = PrecisionPolicy.from_config(load_config(overrides), device)
+        group = policy.make_optimizer([torch.nn.Parameter(torch.zeros(2))], 1e-3, (0.9, 0.999), kahan=False)
+        return group.param_groups[0]
+
+    cuda_off, cuda_on = adam(by_variant["host_sync"]["fp32"], "cuda"), adam(by_variant["sync_free"]["fp32"], "cuda")
+    assert cuda_off["fused"] and cuda_on["fused"]  # the same kernels; only the step count's place differs
+    assert (cuda_off["capturable"], cuda_on["capturable"]) == (False, True)
+    # a CPU has no capturable Adam: fused is what keeps fp32's step off the host there
+    assert adam(by_variant["sync_free"]["fp32"], "cpu")["fused"]
+    assert adam(by_variant["host_sync"]["fp32"], "cpu")["foreach"]

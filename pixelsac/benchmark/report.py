@@ -240,7 +240,7 @@ def markdown(
         "'vs switches off' is the same mode and batch size with every speed switch off (its first row) "
         "divided by this row. Variants: channels_last / nchw (perf.channels_last on / off; neither named: "
         "the default layout), compile (perf.compile), "
-        "sync_free / host_sync (perf.sync_free with the index / kornia random shift), "
+        "sync_free / host_sync (perf.sync_free on / off, all else the same: random shift, optimizers), "
         "cuda_graphs (perf.cuda_graphs: each update replayed as a CUDA graph), "
         "<source>_batch (where the batch is when the update starts: pageable host, pinned host, device), "
         "saves_low / saves_fp32 (bench.emulation_saves: the CPU emulation saves fp16/bf16 inputs or their "
