@@ -6,7 +6,11 @@ A run's configuration is composed in a fixed order, later sources winning::
 
 ``conf/config.yaml`` is the schema: every key a run understands is there, and its default's type
 is the type an override must have (ints are accepted where floats are expected). Keys whose
-default is ``null`` have their type declared in :data:`NULLABLE`. ``trainer.*`` keys are passed
+default is ``null`` have their type declared in :data:`NULLABLE`. Numbers are read as people
+write them, in ``conf/`` files and on the command line alike: ``1e-3``, ``1E6`` and ``inf`` where
+a number is asked for (YAML 1.1 alone reads the first two as strings), any whole number --
+``1e6``, ``2000.0`` -- where an integer is, up to :data:`MAX_INTEGER`. A key is given once: on
+the command line (:func:`check_each_key_once`) and in a YAML file. ``trainer.*`` keys are passed
 to ``lightning.Trainer`` and are checked against its signature. Every mistake raises
 :class:`ConfigError` carrying one line that says what is wrong and what would be valid; the entry
 points turn it into exit code 2 before anything is written.
@@ -14,10 +18,12 @@ points turn it into exit code 2 before anything is written.
 
 from __future__ import annotations
 
+import decimal
 import difflib
 import inspect
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,7 +104,7 @@ _LOWER_BOUNDS: dict[str, float] = {
     "train.seed_steps": 0,
     "train.updates_per_step": 0,
     "train.eval_every_frames": 1,
-    "train.eval_episodes": 0,
+    "train.eval_episodes": 1,
     "train.log_every_updates": 1,
     "train.num_threads": 1,
     "train.video_every_evals": 0,
@@ -130,6 +136,15 @@ MAX_NUMPY_SEED = 2**32 - 1
 _EARLY_ENDING_TRAINER_KEYS = {"max_steps": -1, "max_time": None, "limit_train_batches": None}
 #: Keys that hold for one invocation only: never stored in a run's config.yaml or checkpoints.
 INVOCATION_ONLY_KEYS = ("trust_checkpoint",)
+#: The largest integer any setting takes: numpy and torch count and index in int64.
+MAX_INTEGER = 2**63 - 1
+#: Numbers as people write them (1e-3, 1E6, .5, 2.5e+4, 1_000), which YAML 1.1 reads as strings
+#: unless they have a dot and a signed exponent.
+_NUMBER = re.compile(r"[-+]?(?:\d(?:_?\d)*(?:\.(?:\d(?:_?\d)*)?)?|\.\d(?:_?\d)*)(?:[eE][-+]?\d+)?")
+#: Infinity and NaN as words (YAML 1.1 only knows .inf and .nan); NaN is refused by validation.
+_NON_FINITE_WORDS = re.compile(r"[-+]?(?:inf|infinity|nan)", re.IGNORECASE)
+#: Longer texts are shown shortened in an error line.
+_SHOWN_CHARS = 40
 
 
 class ConfigError(ValueError):
@@ -155,24 +170,89 @@ def _load_yaml(path: Path) -> DictConfig:
     try:
         cfg = OmegaConf.load(path)
     except Exception as exc:  # yaml errors carry multi-line context; keep the first line
+        twice = _repeated_yaml_key(path)
+        if twice:
+            raise ConfigError(f"{path}: {twice}; keep one") from None
+        if isinstance(exc, ValueError) and "digits" in str(exc):  # Python's int-from-text limit
+            raise ConfigError(
+                f"cannot read {path}: a number there has more than {_max_int_digits():,} digits, "
+                "more than any setting takes"
+            ) from None
         raise ConfigError(f"cannot read {path}: {str(exc).splitlines()[0]}") from exc
     if not isinstance(cfg, DictConfig):
         raise ConfigError(f"{path} must hold a mapping of keys to values")
     return cfg
 
 
+def _repeated_yaml_key(path: Path) -> str | None:
+    """What a YAML file repeats -- ``"agent.lr is given twice (lines 2 and 4)"`` -- or None.
+    PyYAML (and so OmegaConf) reports only the second occurrence; this names both."""
+    try:
+        root = yaml.compose(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+
+    def walk(node: Any, prefix: str) -> str | None:
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            name = f"{prefix}{key_node.value}"
+            line = key_node.start_mark.line + 1
+            if name in first_line:
+                return f"{name} is given twice (lines {first_line[name]} and {line})"
+            first_line[name] = line
+            found = walk(value_node, f"{name}.")
+            if found:
+                return found
+        return None
+
+    return walk(root, "")
+
+
+def _max_int_digits() -> int:
+    """Python's limit on the digits of an integer read from text (4300 unless changed)."""
+    import sys
+
+    return sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 4300
+
+
+def _shown(text: str) -> str:
+    """``text`` for an error line: a very long one (a number of 100,000 digits) is cut short."""
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[:10]}... ({len(text):,} {'digits' if text.isdigit() else 'characters'})"
+
+
+def check_each_key_once(overrides: Sequence[str]) -> None:
+    """A ConfigError naming both when a ``key=value`` list gives a key twice. What a user types
+    is checked with it (the command line of each entry point): a repeated key is a typo or a
+    pasted command, and the earlier value would be dropped unseen. Code that layers its own
+    overrides on a user's (the benchmark's cells, tests) composes with :func:`load_config`,
+    where the later of two wins."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in seen:
+            raise ConfigError(f"{key} is given twice: {_shown(seen[key])!r} and {_shown(item)!r}; give each key once")
+        seen[key] = item
+
+
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
-    """``["a.b=3", "task=walker_walk"]`` -> ``{"a.b": 3, "task": "walker_walk"}`` (YAML-typed values)."""
+    """``["a.b=3", "task=walker_walk"]`` -> ``{"a.b": 3, "task": "walker_walk"}`` (YAML-typed values;
+    a key given twice: the later value)."""
     parsed: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ConfigError(f"expected key=value, got {item!r} (example: agent.batch_size=256)")
+            raise ConfigError(f"expected key=value, got {_shown(item)!r} (example: agent.batch_size=256)")
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw  # an unquoted string YAML cannot parse is still a string
+        except ValueError:  # an integer longer than Python reads from text (4300 digits)
+            raise ConfigError(f"{key}={_shown(raw.strip())} is too long to be a number any setting takes") from None
         parsed[key] = value
     return parsed
 
@@ -181,11 +261,39 @@ def _type_name(t: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
 
 
+def _number_from_text(key: str, text: str, expected: type) -> Any:
+    """``text`` as the number it spells (``1e-3``, ``1E6``, ``inf``) for a key that takes
+    ``expected`` (int or float), or ``text`` unchanged when it spells none. An integer key takes
+    a whole number in any notation (``1e6``); read exactly, never through a float."""
+    stripped = text.strip()
+    if _NON_FINITE_WORDS.fullmatch(stripped):
+        if expected is int:
+            raise ConfigError(f"{key}={text!r} is not a whole number; it takes an integer")
+        return float(stripped)
+    if not _NUMBER.fullmatch(stripped):
+        return text
+    if expected is float:
+        number = float(stripped)
+        if math.isinf(number):
+            raise ConfigError(f"{key}={_shown(stripped)} is too large for a number (the largest is about 1.8e308)")
+        return number
+    exact = decimal.Decimal(stripped.replace("_", ""))
+    if exact.adjusted() > 18:  # more than 19 digits: beyond MAX_INTEGER (and too many to build)
+        raise ConfigError(f"{key}={_shown(stripped)} is too large: integers stop at 2^63 - 1 = {MAX_INTEGER}")
+    if exact != exact.to_integral_value():
+        raise ConfigError(f"{key}={text!r} is not a whole number; it takes an integer")
+    return int(exact)
+
+
 def _check_type(key: str, value: Any, expected: type, nullable: Iterable[str] = NULLABLE) -> Any:
     if value is None:
         if key in nullable:
             return None
         raise ConfigError(f"{key} cannot be null; it takes {_type_name(expected)}")
+    if expected in (int, float) and isinstance(value, str):
+        value = _number_from_text(key, value, expected)
+    if expected is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 2000.0, 1.0e+6: YAML's floats that are whole numbers
     ok = (
         isinstance(value, bool)
         if expected is bool
@@ -196,8 +304,17 @@ def _check_type(key: str, value: Any, expected: type, nullable: Iterable[str] = 
         else isinstance(value, str)
     )
     if not ok:
-        raise ConfigError(f"{key}={value!r} has the wrong type; it takes {_type_name(expected)}")
-    return float(value) if expected is float else value
+        raise ConfigError(f"{key}={_shown(repr(value))} has the wrong type; it takes {_type_name(expected)}")
+    if expected is int and abs(value) > MAX_INTEGER:
+        raise ConfigError(f"{key}={_shown(str(value))} is too large: integers stop at 2^63 - 1 = {MAX_INTEGER}")
+    if expected is float:
+        try:
+            return float(value)
+        except OverflowError:  # an integer of more than 308 digits
+            raise ConfigError(
+                f"{key}={_shown(str(value))} is too large for a number (the largest is about 1.8e308)"
+            ) from None
+    return value
 
 
 def _trainer_keys() -> list[str]:
@@ -219,6 +336,8 @@ def _apply(cfg: DictConfig, key: str, value: Any, defaults: DictConfig) -> None:
             raise ConfigError(
                 f"trainer.{rest} is set by pixelsac itself (use run_dir=..., precision=..., train.env_frames=...)"
             )
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            value = float(value)  # 1e-3 as YAML 1.1 leaves it (a plain integer is already one)
         OmegaConf.update(cfg, key, value, force_add=True)
         return
     default = OmegaConf.select(defaults, key, default="__missing__")
@@ -490,12 +609,14 @@ def load_options(
 
     ``conf/<name>.yaml`` holds every option with its default (and, in its comments, what it
     means); ``argv`` are ``key=value`` overrides (keys written with ``prefix``, e.g. ``bench.``).
-    Checked the way training keys are, each refusal a one-line :class:`ConfigError`: an unknown
-    key (with a suggestion), a value of the wrong type (the default's, or ``nullable``'s for a
-    key whose default is null), a value below its ``lower_bounds`` or outside its ``choices``.
+    Checked the way training keys are, each refusal a one-line :class:`ConfigError`: a key given
+    twice, an unknown key (with a suggestion), a value of the wrong type (the default's, or
+    ``nullable``'s for a key whose default is null), a value below its ``lower_bounds`` or
+    outside its ``choices``.
     ``verbatim`` keys keep the text as typed (paths: YAML would read ``out_dir=2024`` as a
     number); ``untyped`` keys are returned YAML-typed for the caller to interpret.
     """
+    check_each_key_once(argv)
     defaults = _load_yaml((conf or conf_dir()) / f"{name}.yaml")
     options: dict[str, Any] = OmegaConf.to_container(defaults)
     nullable, lower_bounds, choices = nullable or {}, lower_bounds or {}, choices or {}

@@ -19,7 +19,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from pixelsac.config import ConfigError, conf_dir, load_config, parse_overrides
+from pixelsac.config import ConfigError, check_each_key_once, conf_dir, load_config, parse_overrides
 from pixelsac.config_keys import help_text
 
 PRINT_FLAG = "--print-config"
@@ -56,8 +56,10 @@ def split_print_config(argv: Sequence[str]) -> tuple[list[str], bool]:
 
 def check_early(argv: Sequence[str]) -> None:
     """Compose and validate a new run's configuration from ``argv`` without the task list (which
-    needs dm_control); raises :class:`ConfigError` on the first problem. A ``resume=`` command is
-    checked against its checkpoint later (its keys and limits differ), so it is left alone here."""
+    needs dm_control); raises :class:`ConfigError` on the first problem. A key given twice is
+    refused for every command; a ``resume=`` command is otherwise checked against its checkpoint
+    later (its keys and limits differ), so it is left alone here."""
+    check_each_key_once(argv)
     if "resume" not in parse_overrides(argv):
         load_config(argv)
 

@@ -12,6 +12,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from overrides import merged  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"  # on a helper script's PYTHONPATH (stop_helper.py imports marks.py from here)
@@ -66,9 +67,10 @@ def cli_env(*extra_paths: Path | str, **settings: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, cwd: Path, extra_path: Path | str | None = None) -> subprocess.CompletedProcess:
-    """``python -m pixelsac.train ARGS`` from ``cwd``, to the end."""
+    """``python -m pixelsac.train ARGS`` from ``cwd``, to the end (a key given twice in ``args``:
+    the later value, see :func:`overrides.merged`)."""
     return subprocess.run(
-        [sys.executable, "-m", "pixelsac.train", *args],
+        [sys.executable, "-m", "pixelsac.train", *merged(*args)],
         cwd=cwd,
         env=cli_env(*([extra_path] if extra_path else [])),
         capture_output=True,
@@ -83,7 +85,7 @@ def start_cli(
     """``run_cli`` in the background, unbuffered (a test can wait for a line of stdout): by
     default its stderr is kept and its stdout dropped; ``subprocess.PIPE`` or ``DEVNULL`` choose."""
     return subprocess.Popen(
-        [sys.executable, "-m", "pixelsac.train", *args],
+        [sys.executable, "-m", "pixelsac.train", *merged(*args)],
         cwd=cwd,
         env=cli_env(PYTHONUNBUFFERED="1"),
         stdout=stdout,
@@ -93,13 +95,14 @@ def start_cli(
 
 
 def main_in(cwd: Path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """``pixelsac.train.main(args)`` in this process, run from ``cwd``: its exit code and stderr."""
+    """``pixelsac.train.main(args)`` in this process, run from ``cwd``: its exit code and stderr
+    (a key given twice in ``args``: the later value)."""
     from pixelsac.train import main
 
     monkeypatch.chdir(cwd)
     threads = torch.get_num_threads()
     try:
-        code = main(list(args))
+        code = main(merged(*args))
     finally:
         torch.set_num_threads(threads)
     return code, capsys.readouterr().err

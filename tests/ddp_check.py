@@ -17,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from overrides import merged  # this script's folder is on sys.path
 
 import pixelsac.run as run_mod
 import pixelsac.train as train_mod
@@ -94,4 +95,4 @@ def build_run(cfg, resume_from=None, **kwargs):
 
 
 run_mod.build_run = build_run
-sys.exit(train_mod.main(sys.argv[1:]))
+sys.exit(train_mod.main(merged(*sys.argv[1:])))

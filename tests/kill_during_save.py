@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from marks import write_whole  # this script's folder is on sys.path
+from overrides import merged
 
 import pixelsac.callbacks as callbacks
 
@@ -28,4 +29,4 @@ callbacks._fsync_and_replace = hanging_replace
 
 from pixelsac.train import main  # noqa: E402
 
-sys.exit(main(sys.argv[2:]))
+sys.exit(main(merged(*sys.argv[2:])))

@@ -37,6 +37,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from marks import write_whole  # this script's folder is on sys.path
+from overrides import merged
 
 import pixelsac.callbacks as callbacks
 import pixelsac.run as run_mod
@@ -123,7 +124,7 @@ if env.get("EVAL_RESULTS_ON_WAIT"):
     callbacks.Evaluator._collect = lambda self, trainer, wait: real_collect(self, trainer, wait) if wait else None
 
 if __name__ == "__main__":  # the evaluation worker (spawn) imports this module again
-    code = train_mod.main(sys.argv[1:])
+    code = train_mod.main(merged(*sys.argv[1:]))
     if dump_dir is not None:
         write_whole(dump_dir / f"exit-rank{rank}", str(code))
     sys.exit(code)

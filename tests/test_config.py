@@ -3,6 +3,7 @@
 import re
 
 import pytest
+from omegaconf import OmegaConf
 
 from pixelsac.config import ConfigError, from_plain, load_config, load_options, to_plain
 
@@ -122,3 +123,110 @@ def test_entry_point_options_are_one_checked_config_group(tmp_path):
     assert load(["tool.episodes=4"], prefix="tool.")["episodes"] == 4
     with pytest.raises(ConfigError, match=re.escape("unknown option 'episodes'")):
         load(["episodes=4"], prefix="tool.")
+
+
+# --- numbers as people write them, each key once ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override,key,value",
+    [
+        ("agent.lr=1e-3", "agent.lr", 1e-3),
+        ("agent.lr=1e6", "agent.lr", 1e6),
+        ("agent.lr=1E6", "agent.lr", 1e6),
+        ("agent.lr=2.5E-4", "agent.lr", 2.5e-4),
+        ("agent.lr=.5e-3", "agent.lr", 5e-4),
+        ("agent.log_std_min=-1e1", "agent.log_std_min", -10.0),
+        ("lowp.init_scale=+6.5e4", "lowp.init_scale", 65000.0),
+        ("stop.max_wait_seconds=inf", "stop.max_wait_seconds", float("inf")),
+        ("train.env_frames=1e6", "train.env_frames", 1_000_000),
+        ("train.env_frames=1.5E3", "train.env_frames", 1500),
+        ("train.env_frames=2000.0", "train.env_frames", 2000),
+        ("replay.capacity=1e5", "replay.capacity", 100_000),
+        ("train.num_threads=2e0", "train.num_threads", 2),  # a nullable integer
+    ],
+)
+def test_ordinary_float_notation_is_a_number(override, key, value):
+    """YAML 1.1 reads 1e-3 and 1E6 as strings (it wants a dot and a signed exponent); a key that
+    takes a number takes them, and a key that takes an integer takes a whole one."""
+    read = OmegaConf.select(load_config([override]), key)
+    assert read == value and type(read) is type(value)
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("train.env_frames=1.5", "train.env_frames=1.5 has the wrong type; it takes an integer"),
+        ("train.env_frames=2.5e0", "train.env_frames='2.5e0' is not a whole number; it takes an integer"),
+        ("train.env_frames=1e-3", "is not a whole number"),
+        ("train.env_frames=inf", "train.env_frames='inf' is not a whole number"),
+        ("train.env_frames=1e20", "train.env_frames=1e20 is too large: integers stop at 2^63 - 1"),
+        ("train.env_frames=100000000000000000000", "is too large: integers stop at 2^63 - 1"),
+        ("agent.lr=1e400", "agent.lr=1e400 is too large for a number (the largest is about 1.8e308)"),
+        ("agent.lr=" + "9" * 400, "is too large for a number (the largest is about 1.8e308)"),
+        ("agent.lr=" + "7" * 100_000, "agent.lr=7777777777... (100,000 digits) is too long to be a number"),
+        ("agent.lr=1e3x", "agent.lr='1e3x' has the wrong type; it takes a number"),
+        ("train.eval_episodes=0", "train.eval_episodes=0 must be positive"),
+    ],
+)
+def test_numbers_that_are_no_setting_are_one_line(override, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert len(str(info.value)) < 300
+
+
+def test_numbers_in_yaml_files_are_read_as_written(tmp_path):
+    """A conf/ folder of one's own (PIXELSAC_CONF), its task and preset files: 1e-3 and 1e6 are
+    numbers there too, whole numbers where an integer is asked for."""
+    conf = _conf_copy(tmp_path)
+    (conf / "preset" / "mine.yaml").write_text(
+        "agent:\n  lr: 1e-3\n  batch_size: 1.28E2\ntrain:\n  env_frames: 1e6\n  progress_every_seconds: inf\n"
+    )
+    (conf / "task" / "walker_walk.yaml").write_text("env:\n  action_repeat: 2e0\n")
+    cfg = load_config(["preset=mine", "task=walker_walk"], conf=conf)
+    assert cfg.agent.lr == 1e-3 and cfg.agent.batch_size == 128 and isinstance(cfg.agent.batch_size, int)
+    assert cfg.train.env_frames == 1_000_000 and cfg.env.action_repeat == 2
+    assert cfg.train.progress_every_seconds == float("inf")
+    (conf / "preset" / "long.yaml").write_text("agent:\n  lr: " + "7" * 100_000 + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(["preset=long"], conf=conf)
+    assert "long.yaml" in str(info.value) and "\n" not in str(info.value) and len(str(info.value)) < 300
+
+
+def _conf_copy(tmp_path):
+    import shutil
+
+    from pixelsac.config import conf_dir
+
+    return shutil.copytree(conf_dir(), tmp_path / "conf")
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused_naming_both():
+    from pixelsac.config import check_each_key_once
+
+    check_each_key_once(["agent.lr=1e-3", "agent.batch_size=8"])
+    with pytest.raises(ConfigError) as info:
+        check_each_key_once(["agent.lr=1e-3", "seed=2", " agent.lr =2e-3"])
+    assert str(info.value) == ("agent.lr is given twice: 'agent.lr=1e-3' and ' agent.lr =2e-3'; give each key once")
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_both_lines(tmp_path):
+    conf = _conf_copy(tmp_path)
+    (conf / "preset" / "twice.yaml").write_text("agent:\n  lr: 1e-3\n  batch_size: 64\n  lr: 3e-4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(["preset=twice"], conf=conf)
+    message = str(info.value)
+    assert message.endswith("twice.yaml: agent.lr is given twice (lines 2 and 4); keep one") and "\n" not in message
+    (conf / "preset" / "groups.yaml").write_text(
+        "agent:\n  lr: 1e-3\ntrain:\n  env_frames: 10\nagent:\n  batch_size: 4\n"
+    )
+    with pytest.raises(ConfigError, match=re.escape("groups.yaml: agent is given twice (lines 1 and 5); keep one")):
+        load_config(["preset=groups"], conf=conf)
+
+
+def test_entry_point_options_take_ordinary_numbers_and_each_key_once(tmp_path):
+    (tmp_path / "tool.yaml").write_text("episodes: 10\nscale: 1.0\n")
+    assert load_options("tool", ["episodes=1e1", "scale=1e-2"], conf=tmp_path) == {"episodes": 10, "scale": 0.01}
+    with pytest.raises(ConfigError, match=re.escape("episodes is given twice: 'episodes=2' and 'episodes=3'")):
+        load_options("tool", ["episodes=2", "episodes=3"], conf=tmp_path)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, TINY, cli_env
+from overrides import merged
 
 
 def _load_tool():
@@ -100,7 +101,7 @@ def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
     assert "fp16-naive" in (out / "grid.json").read_text()
 
     # a larger budget: the finished runs continue with resume=, the failed ones stay failed
-    more = run_tool(*grid, *GRID_OVERRIDES, "train.env_frames=480", cwd=tmp_path)
+    more = run_tool(*grid, *merged(*GRID_OVERRIDES, "train.env_frames=480"), cwd=tmp_path)
     assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
     assert more.stdout.count("resume ") == 2 and more.stdout.count("skip-failed") == 2
     assert f"resume={out / 'cartpole_swingup' / 'fp32' / 's1'}" in more.stdout
@@ -133,7 +134,9 @@ def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
     assert "run_dir: GRID/cartpole_swingup/fp32/s2" in config and str(tmp_path) not in config
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(exported / "runs", elsewhere)
-    plan = run_tool(*grid[:-1], str(elsewhere), *GRID_OVERRIDES, "train.env_frames=480", "--dry-run", cwd=tmp_path)
+    plan = run_tool(
+        *grid[:-1], str(elsewhere), *merged(*GRID_OVERRIDES, "train.env_frames=480"), "--dry-run", cwd=tmp_path
+    )
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert plan.stdout.count("skip-done") == 2 and plan.stdout.count("skip-failed") == 2, plan.stdout
 

@@ -195,9 +195,10 @@ def build_grid(
 ) -> list[RunSpec]:
     """Every run of the grid, its configuration composed and validated as training would (a bad
     override or task is a GridError before anything runs)."""
-    from pixelsac.config import ConfigError, load_config, parse_overrides
+    from pixelsac.config import ConfigError, check_each_key_once, load_config, parse_overrides
 
     try:
+        check_each_key_once(list(overrides))
         given = parse_overrides(list(overrides))
     except ConfigError as exc:
         raise GridError(str(exc)) from None

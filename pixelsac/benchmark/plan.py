@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from pixelsac import cli
-from pixelsac.config import COMPILE_MODES, SIX, ConfigError, load_config, load_options, option_lines
+from pixelsac.config import (
+    COMPILE_MODES,
+    SIX,
+    ConfigError,
+    check_each_key_once,
+    load_config,
+    load_options,
+    option_lines,
+)
 
 
 class BenchError(ConfigError):
@@ -341,6 +349,7 @@ def make_plan(argv: list[str]) -> Plan:
     """Check every argument and compose every cell's configuration; writes nothing.
 
     Raises ConfigError, EnvError or BenchError with a one-line message."""
+    check_each_key_once(argv)  # what the user typed; the cells then layer their own keys on it
     given, overrides = split_arguments(argv)
     options = parse_options(given)
     from pixelsac.envs import available_tasks
