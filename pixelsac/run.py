@@ -29,6 +29,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from pixelsac import cli, rundir
 from pixelsac.cli import UsageError
 from pixelsac.config import EVAL_SEED_OFFSET, RANK_SEED_STRIDE, ConfigError, stored_config
+from pixelsac.distributed import GradientAverage
 
 
 @dataclass
@@ -61,8 +62,10 @@ SPAWNING_STRATEGIES = ("ddp_spawn", "ddp_fork", "ddp_notebook")
 def make_trainer(cfg: Any) -> Any:
     """The Lightning Trainer from ``cfg.trainer`` (callbacks and loggers are attached later).
 
-    ``strategy=ddp`` becomes DDP with ``find_unused_parameters``: SAC backpropagates three losses
-    per step, each through a different part of the module.
+    ``strategy=ddp`` (or several devices) becomes :class:`pixelsac.distributed.GradientAverage`:
+    Lightning's DDP without the wrapper's reducer, since SAC backpropagates three losses per step,
+    each through a different part of the module (the reducer needed ``find_unused_parameters``,
+    a host read per backward, and re-sent every buffer before every forward).
     """
     args = dict(cfg.trainer)
     strategy = args.get("strategy", "auto")
@@ -73,7 +76,7 @@ def make_trainer(cfg: Any) -> Any:
         )
     several = args.get("devices", 1) not in (1, "1", [0]) or args.get("num_nodes", 1) > 1
     if strategy == "ddp" or (strategy == "auto" and several):  # "auto" would pick plain DDP
-        args["strategy"] = "ddp_find_unused_parameters_true"
+        args["strategy"] = GradientAverage()
     try:
         with cli.quiet_lightning():
             return L.Trainer(

@@ -66,3 +66,91 @@ def test_an_update_waits_at_no_barrier(tmp_path):
         assert rank["barriers_in_updates"] == 0
         assert rank["all_reduces_in_updates"] >= rank["updates"]  # the flags were still reduced
     assert differing(a, b) == []
+
+
+def test_data_parallel_trains_under_gradient_average_not_ddps_reducer():
+    """trainer.strategy=ddp (or several devices) builds GradientAverage: no find_unused_parameters
+    (a host copy of the reducer's used-map per backward), no broadcast of buffers per forward."""
+    from pixelsac.config import load_config
+    from pixelsac.distributed import GradientAverage
+    from pixelsac.run import make_trainer
+
+    for overrides in (DDP[:3], ["trainer.devices=2", "trainer.accelerator=cpu"]):
+        trainer = make_trainer(load_config(overrides))
+        assert isinstance(trainer.strategy, GradientAverage) and trainer.strategy.world_size == 2
+        assert not trainer.strategy._ddp_kwargs  # no DistributedDataParallel is built to take them
+
+
+class ThreeNets(torch.nn.Module):
+    """SAC's shape in miniature: a critic (trunk + head, channels-last trunk weight), an actor whose
+    loss reaches the critic's head only, a temperature; a buffer that must not travel per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Conv2d(2, 3, 1).to(memory_format=torch.channels_last)
+        self.head = torch.nn.Linear(3, 1)
+        self.actor = torch.nn.Linear(3, 3)
+        self.log_alpha = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+        self.register_buffer("kahan", torch.zeros(5, dtype=torch.float16))
+
+    def losses(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        features = self.trunk(x).mean((2, 3))
+        critic = self.head(features).square().mean()
+        action = self.actor(features.detach())
+        actor = self.head(action).mean()  # through the critic's head, not its trunk
+        alpha = (self.log_alpha * 2.0).float()
+        return critic, actor, alpha
+
+
+def test_each_backward_averages_exactly_the_gradients_it_produced(monkeypatch):
+    """In one process, the collectives recorded: states broadcast once; after each backward one
+    all-reduce per dtype of the gradients it produced, in parameter order, divided by the world."""
+    from types import SimpleNamespace
+
+    from pixelsac import distributed
+
+    sent = []
+
+    def all_reduce(flat, *args, **kwargs):
+        sent.append(("all_reduce", flat.dtype, flat.numel()))
+        flat.mul_(2)  # what the sum over 2 identical ranks gives
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(distributed.dist, "broadcast", lambda flat, src: sent.append(("broadcast", flat.dtype, src)))
+    torch.manual_seed(0)
+    module = ThreeNets()
+    strategy = distributed.GradientAverage()
+    strategy.cluster_environment = SimpleNamespace(world_size=lambda: 2, teardown=lambda: None)
+    strategy.model = module
+    strategy.configure_ddp()
+    assert sorted(sent, key=str) == sorted([("broadcast", torch.float32, 0), ("broadcast", torch.float64, 0),
+                                            ("broadcast", torch.float16, 0)], key=str)  # fmt: skip
+    sent.clear()
+
+    def backward(loss):
+        strategy.pre_backward(loss)
+        loss.backward()
+        strategy.post_backward(loss)
+
+    x = torch.randn(4, 2, 3, 3)
+    critic, actor, alpha = module.losses(x)
+    numel = lambda *params: sum(p.numel() for p in params)  # noqa: E731
+    backward(critic)
+    assert sent == [
+        ("all_reduce", torch.float32, numel(module.trunk.weight, module.trunk.bias, *module.head.parameters()))
+    ]
+    # averaged over 2 identical ranks: the local gradient, value for value, back in a channels-last weight's layout
+    (local,) = torch.autograd.grad(module.losses(x)[0], module.trunk.weight)
+    assert torch.equal(module.trunk.weight.grad, local)
+    sent.clear()
+    module.zero_grad(set_to_none=True)
+    backward(actor)  # the actor and the critic's head, never the trunk
+    assert sent == [("all_reduce", torch.float32, numel(*module.head.parameters(), *module.actor.parameters()))]
+    assert module.trunk.weight.grad is None
+    sent.clear()
+    backward(alpha)
+    assert sent == [("all_reduce", torch.float64, 1)]
+    assert module.log_alpha.grad.item() == 2.0  # divided by 2 ranks, summed over 2 identical ones
+    sent.clear()
+    strategy.post_backward(alpha)  # nothing produced since: nothing sent
+    assert sent == []
