@@ -9,20 +9,21 @@
 
 ``WORK`` is the script's scratch tree: ``status.tsv`` (one line per part: name, state, exit code,
 seconds, limit, note), ``plan.txt`` (the time budget), ``device.txt``, one folder per benchmark
-part (``bench.md``, ``bench.png``), ``gpu_tests.xml`` (pytest's JUnit XML) and the training runs
-(``learn_fp16``, ``learn_fp32``, ``fast_fp16``) with their exit codes in ``<run>.rc``.
+part (``bench.md``, ``bench.png``), ``gpu_tests.xml`` (pytest's JUnit XML) and the training run
+(``fast_fp16``) with its exit code in ``<run>.rc``.
 
-A training run's figures are reported only when it exited 0: a crashed or stopped run is named
-as such and its ``summary.json`` is not read as a result. ``report.md`` is written to a temporary
-name and renamed, so a run cut at any moment leaves the previous complete report. The archive
-holds only text, tables and charts (no checkpoints, replay files or ``*.tmp``), each file at most
-5 MB, and stops adding files before ``--max-mb`` of raw bytes.
+A training run's figures are reported only when it exited 0; otherwise the report says how it
+ended -- cut by its part's time limit (the part timed out: the run was told to stop, exit 75, or
+killed), stopped early, killed, or CRASHED -- and its ``summary.json`` is not read as a result.
+``report.md`` is written to a temporary name and renamed, so a run cut at any moment leaves the
+previous complete report. The archive holds only text, tables and charts (no checkpoints, replay
+files or ``*.tmp``), each file at most 5 MB, and stops adding files before ``--max-mb`` of raw
+bytes.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -31,10 +32,9 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 BENCH_PARTS = ("bench512", "bench128", "syncfree", "ablations", "layout", "batchsrc", "compile")
+#: training run -> (the part it runs in, what it is)
 RUNS = {
-    "learn_fp16": "fp16 + six, side by side with fp32 (shared device: no speed-up)",
-    "learn_fp32": "fp32, side by side with fp16 (shared device: no speed-up)",
-    "fast_fp16": "fp16 + six, CUDA graphs and GPU-resident replay, alone on the device",
+    "fast_fp16": ("fast", "fp16 + six, CUDA graphs and GPU-resident replay, alone on the device"),
 }
 GRAPH_TEST = "test_real_cuda_graphs_equal_eager_updates_on_a_gpu"
 ARCHIVED_SUFFIXES = (".md", ".csv", ".json", ".log", ".txt", ".tsv", ".png", ".yaml", ".xml")
@@ -87,8 +87,22 @@ def _run_rc(work: Path, run: str) -> int | None:
         return None
 
 
-def run_line(work: Path, run: str, what: str) -> str | None:
-    """One line on a training run: its figures when it finished (exit 0), else what happened."""
+def ended(rc: int, part_state: str | None) -> str:
+    """How a training run that did not exit 0 ended, told apart: its part's time limit (the part
+    timed out; the script passed the part's SIGTERM on, so the run saved and exited 75, or died of
+    it, 143, or was killed, 137), a stop (75) or a signal from elsewhere, or a crash."""
+    if part_state == "timed out":
+        return "cut by its part's time limit"
+    if rc == 75:
+        return "stopped early"
+    if rc > 128:
+        return f"killed (signal {rc - 128})"
+    return "CRASHED"
+
+
+def run_line(work: Path, run: str, what: str, part_state: str | None = None) -> str | None:
+    """One line on a training run: its figures when it finished (exit 0), else how it ended
+    (``part_state``: how the part that ran it ended, from ``status.tsv``)."""
     directory = work / run
     rc = _run_rc(work, run)
     if rc is None and not directory.exists():
@@ -96,8 +110,7 @@ def run_line(work: Path, run: str, what: str) -> str | None:
     if rc is None:
         return f"- {what}: did not finish (its part ran out of time): no result"
     if rc != 0:
-        how = "stopped early" if rc == 75 else "CRASHED"
-        return f"- {what}: {how} (exit {rc}; see {run}.log): its summary is not a result"
+        return f"- {what}: {ended(rc, part_state)} (exit {rc}; see {run}.log): its summary is not a result"
     summary_path = directory / "summary.json"
     if not summary_path.is_file():
         return f"- {what}: exit 0 but no summary.json"
@@ -114,38 +127,6 @@ def run_line(work: Path, run: str, what: str) -> str | None:
         f"{fmt(s.get('memory_vs_fp32'), '.2f')}, skipped {s.get('skipped')}, best eval return "
         f"{fmt(s.get('best_eval_return'), '.1f')}"
     )
-
-
-def eval_curve(run: Path) -> list[tuple[int, float]]:
-    path = run / "metrics.csv"
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    return [(int(float(r.get("step") or 0)), float(r["eval/return"])) for r in rows if r.get("eval/return")]
-
-
-def learning_chart(work: Path, out: Path) -> str | None:
-    curves = {p: eval_curve(work / f"learn_{p}") for p in ("fp16", "fp32")}
-    if not any(curves.values()):
-        return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "(learning.png not drawn: no matplotlib)"
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for precision, curve in curves.items():
-        if curve:
-            ax.plot([f for f, _ in curve], [r for _, r in curve], marker="o", label=precision)
-    ax.set_xlabel("env frames")
-    ax.set_ylabel("eval return")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "learning.png", dpi=110)
-    return None
 
 
 def report(work: Path, out: Path, final: bool = False) -> str:
@@ -175,20 +156,13 @@ def report(work: Path, out: Path, final: bool = False) -> str:
         lines += ["", f"## {name}{note}", "", body]
         if final and (work / name / "bench.png").is_file():
             (out / f"{name}.png").write_bytes((work / name / "bench.png").read_bytes())
-    run_lines = [line for run, what in RUNS.items() if (line := run_line(work, run, what))]
+    run_lines = [
+        line
+        for run, (part, what) in RUNS.items()
+        if (line := run_line(work, run, what, states.get(part, {}).get("state")))
+    ]
     if run_lines:
         lines += ["", "## Training runs", "", *run_lines]
-        curves = {p: eval_curve(work / f"learn_{p}") for p in ("fp16", "fp32")}
-        frames = sorted({f for c in curves.values() for f, _ in c})
-        if frames:
-            lines += ["", "| env frames | fp16 + six | fp32 |", "|---|---|---|"]
-            for frame in frames:
-                cell = {p: next((f"{r:.1f}" for g, r in c if g == frame), "") for p, c in curves.items()}
-                lines.append(f"| {frame:,} | {cell['fp16']} | {cell['fp32']} |")
-            if final:
-                note = learning_chart(work, out)
-                if note:
-                    lines.append(note)
     text = "\n".join(lines) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     partial = out / "report.md.tmp"

@@ -4,6 +4,10 @@
 #   tools/gpu_run.sh OUT_DIR          # or: OUT=OUT_DIR tools/gpu_run.sh
 #   tools/gpu_run.sh --plan           # the time budget of the parts below; exit 1 if it does not fit
 #
+# How long: at most TOTAL seconds, 585 by default (9 min 45 s: it fits a 10-minute slot), the
+# worst case of every step running to its limit (`--plan` adds it up). Typically about 5 minutes:
+# on the first H200 run (2026-12-04, main 51051ef) the parts that finished took 21-35 s each.
+#
 # Run from anywhere; it works in the repository that holds this script. Missing packages come
 # from wheels in .whl/, built beforehand on a machine with network by
 # `python tools/gpu_wheels.py --python-version 3.12` (the GPU machine's Python) and installed
@@ -16,59 +20,65 @@
 #              they were shown equal to eager updates here                             (T_TESTS s)
 #   bench512   python -m pixelsac.bench at batch 512: fp32 fp16 tf32 amp bf16 fp16-naive (T_B512)
 #   bench128   the same modes at batch 128                                               (T_B128)
-#   syncfree   fp32 and fp16: host decisions, sync-free (+ CUDA graphs), batch 512       (T_SF)
+#   syncfree   fp32 and fp16 with perf.sync_free off / on (+ CUDA graphs), batch 512     (T_SF)
 #   ablations  fp16 minus each of the six switches, batch 512                            (T_ABL)
 #   layout     fp32 and fp16 with channels_last off/on, batch 512                        (T_CL)
 #   batchsrc   fp16 with the batch in pageable / pinned host memory / on the GPU        (T_SRC)
-#   learning   cartpole_swingup, fp16 + six and fp32 side by side (they share the GPU: no
-#              speed-up figures, perf.shared_device=true)                              (T_LEARN)
-#   fast       one fp16 run alone: CUDA graphs (if checked), GPU-resident replay, 10% seed steps
-#                                                                                       (T_FAST)
+#   fast       one fp16 training run alone: CUDA graphs (if checked), GPU-resident replay,
+#              10% seed steps: end-to-end env frames/s                                  (T_FAST)
 #   compile    fp32 and fp16 with torch.compile, batch 512 (off unless COMPILE=1)    (T_COMPILE)
 # fp32 and fp16 come first in every part, so a part cut short still has the headline rows.
+# Learning curves are not part of it: a few minutes give a few hundred updates, which show nothing.
+#
+# Limits: every process this script starts pays START_S (30 s: measured on a cold GPU machine,
+# ~10 s to start a process and ~20 s to import torch, lightning, kornia and dm_control; 15-s
+# limits cut three parts of the first H200 run before their first row) plus its own work, which
+# each part's default adds to START_S. A part ended by its limit is reported as "timed out" (exit
+# 124, or 137 when it had to be killed after GRACE), apart from a crash (any other exit) and
+# from a kill by someone else (a signal before the limit).
 #
 # Time: the set-up (EGL loaders T_GL, wheels T_WHEELS, import check T_CHECK, nvidia-smi T_SMI), every part and every report step
 # (report.md and the archive: REPORT_S) runs under a limit, and a part starts only if the time elapsed plus its limit, its
-# kill-after GRACE, one report step and the final step (FINAL_S) stay within TOTAL (default 420 s),
-# otherwise it is skipped and the report says so. So the script ends within TOTAL seconds (plus
-# bash's own milliseconds), and with the defaults every part fits: see --plan.
+# kill-after GRACE, one report step and the final step (FINAL_S) stay within TOTAL, otherwise it
+# is skipped and the report says so. So the script ends within TOTAL seconds (plus bash's own
+# milliseconds), and with the defaults every part fits: see --plan.
 #
 # OUT_DIR receives few files: report.md (rewritten after every part, so a run cut at any moment
 # keeps every finished part), results.tar.gz (tables, logs and charts of the whole tree, at most
 # ARCHIVE_MB, no checkpoints or *.tmp; rewritten after every part too), bench512.png,
-# bench128.png, learning.png and gpu_run.log. The tree is built in $WORK (default: a fresh
-# folder under /tmp).
+# bench128.png and gpu_run.log. The tree is built in $WORK (default: a fresh folder under /tmp).
 #
-# Knobs (environment): TOTAL=420 GRACE=5 REPORT_S=4 FINAL_S=10 ARCHIVE_MB=20
-#   T_GL=10 T_WHEELS=25 T_CHECK=20 T_SMI=5 T_TESTS=60 T_B512=40 T_B128=20 T_SF=30 T_ABL=20 T_CL=12
-#   T_SRC=12 T_LEARN=35 T_FAST=25 T_COMPILE=40 COMPILE=0
+# Knobs (environment): TOTAL=585 GRACE=3 REPORT_S=4 FINAL_S=10 ARCHIVE_MB=20 START_S=30
+#   T_GL=10 T_WHEELS=30 T_CHECK=START_S T_SMI=5, and START_S plus: T_TESTS +45 T_B512 +25
+#   T_B128 +15 T_SF +25 T_ABL +25 T_CL +15 T_SRC +15 T_FAST +20 T_COMPILE +60; COMPILE=0
 #   N512=60 N128=60 N_ABL=20 N_CL=40 N_SF=40 N_COMPILE=40 WARMUP=10
-#   LEARN_FRAMES=10000 LEARN_TASK=cartpole_swingup FAST_FRAMES=6000 (0 skips it)
-#   PYTHON=python3 DEVICE=cuda, BENCH_ARGS and LEARN_ARGS (extra key=value overrides),
+#   FAST_FRAMES=6000 (0 skips it) FAST_TASK=cartpole_swingup
+#   PYTHON=python3 DEVICE=cuda, BENCH_ARGS and FAST_ARGS (extra key=value overrides),
 #   GPU_TESTS=1 (0 skips part gpu_tests). A CPU smoke run (the tests do this):
 #   DEVICE=cpu GPU_TESTS=0 BENCH_ARGS='env.image_size=24 agent.num_filters=4 bench.isolate=false' \
-#     LEARN_ARGS='preset=tiny' N512=1 N128=1 N_ABL=1 N_CL=1 N_SF=1 WARMUP=0 FAST_FRAMES=0 \
+#     FAST_ARGS='preset=tiny' N512=1 N128=1 N_ABL=1 N_CL=1 N_SF=1 WARMUP=0 FAST_FRAMES=0 \
 #     tools/gpu_run.sh /tmp/smoke
 set -uo pipefail
 
-TOTAL=${TOTAL:-420}; GRACE=${GRACE:-5}; REPORT_S=${REPORT_S:-4}; FINAL_S=${FINAL_S:-10}
+TOTAL=${TOTAL:-585}; GRACE=${GRACE:-3}; REPORT_S=${REPORT_S:-4}; FINAL_S=${FINAL_S:-10}
 ARCHIVE_MB=${ARCHIVE_MB:-20}
-T_WHEELS=${T_WHEELS:-25}; T_CHECK=${T_CHECK:-20}; T_GL=${T_GL:-10}; T_SMI=${T_SMI:-5}; T_TESTS=${T_TESTS:-60}
-T_B512=${T_B512:-40}; T_B128=${T_B128:-20}; T_SF=${T_SF:-30}; T_ABL=${T_ABL:-20}; T_CL=${T_CL:-12}
-T_SRC=${T_SRC:-12}; T_LEARN=${T_LEARN:-35}; T_FAST=${T_FAST:-25}; T_COMPILE=${T_COMPILE:-40}
+START_S=${START_S:-30}  # one process's start and imports on a cold machine (~10 s + ~20 s, measured)
+T_WHEELS=${T_WHEELS:-30}; T_CHECK=${T_CHECK:-$START_S}; T_GL=${T_GL:-10}; T_SMI=${T_SMI:-5}
+T_TESTS=${T_TESTS:-$(( START_S + 45 ))}; T_B512=${T_B512:-$(( START_S + 25 ))}; T_B128=${T_B128:-$(( START_S + 15 ))}
+T_SF=${T_SF:-$(( START_S + 25 ))}; T_ABL=${T_ABL:-$(( START_S + 25 ))}; T_CL=${T_CL:-$(( START_S + 15 ))}
+T_SRC=${T_SRC:-$(( START_S + 15 ))}; T_FAST=${T_FAST:-$(( START_S + 20 ))}; T_COMPILE=${T_COMPILE:-$(( START_S + 60 ))}
 COMPILE=${COMPILE:-0}; GPU_TESTS=${GPU_TESTS:-1}
 N512=${N512:-60}; N128=${N128:-60}; N_ABL=${N_ABL:-20}; N_CL=${N_CL:-40}; N_SF=${N_SF:-40}
 N_COMPILE=${N_COMPILE:-40}; WARMUP=${WARMUP:-10}
-LEARN_FRAMES=${LEARN_FRAMES:-10000}; LEARN_TASK=${LEARN_TASK:-cartpole_swingup}
-FAST_FRAMES=${FAST_FRAMES:-6000}
-PY=${PYTHON:-python3}; DEVICE=${DEVICE:-cuda}; BENCH_ARGS=${BENCH_ARGS:-}; LEARN_ARGS=${LEARN_ARGS:-}
+FAST_FRAMES=${FAST_FRAMES:-6000}; FAST_TASK=${FAST_TASK:-cartpole_swingup}
+PY=${PYTHON:-python3}; DEVICE=${DEVICE:-cuda}; BENCH_ARGS=${BENCH_ARGS:-}; FAST_ARGS=${FAST_ARGS:-}
 MODES=fp32,fp16,tf32,amp,bf16,fp16-naive
 
 # name:limit of every part that this configuration runs, in order
 PARTS=()
 [[ "$GPU_TESTS" != 0 ]] && PARTS+=("gpu_tests:$T_TESTS")
 PARTS+=("bench512:$T_B512" "bench128:$T_B128" "syncfree:$T_SF" "ablations:$T_ABL" "layout:$T_CL"
-        "batchsrc:$T_SRC" "learning:$T_LEARN")
+        "batchsrc:$T_SRC")
 [[ "$FAST_FRAMES" != 0 ]] && PARTS+=("fast:$T_FAST")
 [[ "$COMPILE" != 0 ]] && PARTS+=("compile:$T_COMPILE")
 
@@ -92,9 +102,22 @@ plan() {  # the worst case, step by step; exit status 1 when it does not fit TOT
   fi
 }
 
+part_state() {  # part_state RC SECONDS LIMIT: how a part under `timeout -k GRACE LIMIT` ended
+  local rc=$1 seconds=$2 limit=$3
+  if (( rc == 0 )); then echo ok
+  elif (( rc == 124 )); then echo "timed out"  # timeout's own exit: the limit was reached
+  elif (( rc == 137 && seconds >= limit )); then echo "timed out"  # killed GRACE s after the limit
+  elif (( rc > 128 )); then echo "killed (signal $(( rc - 128 )))"  # by someone else, before the limit
+  else echo crashed; fi
+}
+
 if [[ "${1:-}" == "--plan" ]]; then
   plan
   exit $?
+fi
+if [[ "${1:-}" == "--state" ]]; then  # --state RC SECONDS LIMIT: the label a part gets (for the tests)
+  part_state "$2" "$3" "$4"
+  exit 0
 fi
 
 OUT=${1:-${OUT:-}}
@@ -194,10 +217,7 @@ part() {  # part NAME command...: runs it if it fits the budget, records how it 
   wait "$pgid"
   local rc=$?
   rm -f "$WORK/part.pgid"
-  if (( rc == 0 )); then state=ok
-  elif (( rc == 124 || rc == 137 )); then state="timed out"
-  elif (( rc > 128 )); then state="killed (signal $(( rc - 128 )))"
-  else state=crashed; fi
+  state=$(part_state "$rc" "$(( SECONDS - t0 ))" "$limit")
   printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$state" "$rc" "$(( SECONDS - t0 ))" "$limit" \
     "$(tail -n 1 "$WORK/$name.log" | tr '\t|' '  ' | cut -c1-160)" >> "$WORK/status.tsv"
   say "part $name: $state (exit $rc) after $(( SECONDS - t0 ))s"
@@ -214,10 +234,10 @@ bench() {  # bench NAME overrides...
 
 train_run() {  # train_run NAME PRECISION overrides...: a training run whose exit code is kept in NAME.rc
   local name=$1 precision=$2 pid rc; shift 2
-  # shellcheck disable=SC2086  # LEARN_ARGS is a list of key=value words
-  "$PY" -m pixelsac.train task="$LEARN_TASK" precision="$precision" seed=1 train.video_every_evals=0 \
+  # shellcheck disable=SC2086  # FAST_ARGS is a list of key=value words
+  "$PY" -m pixelsac.train task="$FAST_TASK" precision="$precision" seed=1 train.video_every_evals=0 \
     trainer.enable_progress_bar=false stop.max_wait_steps=0 stop.max_wait_seconds=2 \
-    run_dir="$WORK/$name" overwrite=true "$@" $LEARN_ARGS > "$WORK/$name.log" 2>&1 &
+    run_dir="$WORK/$name" overwrite=true "$@" $FAST_ARGS > "$WORK/$name.log" 2>&1 &
   pid=$!
   # told to stop (the part's time is up): pass it on and still wait, so the exit code is kept
   trap 'kill -TERM "$pid" 2>/dev/null' TERM
@@ -225,20 +245,8 @@ train_run() {  # train_run NAME PRECISION overrides...: a training run whose exi
   echo "$rc" > "$WORK/$name.rc"
   return "$rc"
 }
-
-learning_runs() {  # learning_runs FRAMES: fp16 and fp32 side by side, sharing the device
-  local common=("train.env_frames=$1" train.eval_every_frames=5000 train.eval_episodes=2 perf.shared_device=true)
-  local p16 p32 r16 r32
-  train_run learn_fp16 fp16 "${common[@]}" & p16=$!
-  train_run learn_fp32 fp32 "${common[@]}" & p32=$!
-  trap 'kill -TERM "$p16" "$p32" 2>/dev/null' TERM
-  while true; do wait "$p16"; r16=$?; kill -0 "$p16" 2>/dev/null || break; done
-  while true; do wait "$p32"; r32=$?; kill -0 "$p32" 2>/dev/null || break; done
-  echo "fp16 exit $r16, fp32 exit $r32"
-  return $(( r16 | r32 ))
-}
-export -f train_run learning_runs
-export PY LEARN_TASK WORK LEARN_ARGS
+export -f train_run
+export PY FAST_TASK WORK FAST_ARGS
 
 GRAPHS=off
 if [[ "$GPU_TESTS" != 0 ]]; then
@@ -255,9 +263,6 @@ bench syncfree bench.batch_sizes=512 bench.modes=fp32,fp16 bench.sync_free=both 
 bench ablations bench.batch_sizes=512 bench.modes=fp16 bench.ablations=true bench.updates="$N_ABL"
 bench layout bench.batch_sizes=512 bench.modes=fp32,fp16 bench.channels_last=both bench.updates="$N_CL"
 bench batchsrc bench.batch_sizes=512 bench.modes=fp16 bench.batch=all bench.updates="$N_SF"
-
-# side by side on one device: each run's speed says nothing alone (perf.shared_device=true)
-part learning bash -c 'learning_runs "$1"' learning "$LEARN_FRAMES"
 
 if [[ "$FAST_FRAMES" != 0 ]]; then
   # seed steps (random actions, no updates) a tenth of the agent steps (cartpole repeats each
