@@ -13,7 +13,8 @@ same :func:`pixelsac.collect.run_episodes` and :meth:`SACModule.act`: the return
 frames and the RNG state it hands back are bit for bit those of an evaluation in the training
 process (tests/test_eval_worker.py checks this on whole runs). It is started with ``spawn`` (a
 fresh interpreter: forking a process that holds OpenGL contexts is not safe), ignores the stop
-signals its parent handles, and ends when the parent closes it or goes away.
+signals its parent handles, ends when the parent closes it, and is killed when the parent ends,
+however it ends (:mod:`pixelsac.lifeline`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from pixelsac import lifeline
 from pixelsac.envs.vector import EnvWorkerError, ignore_parents_signals, receive_from
 
 #: the parts of the module :meth:`SACModule.act` reads
@@ -154,9 +156,10 @@ class EvalWorker:
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
         self._cancel = context.Event()
-        self._proc = context.Process(
-            target=_serve,
-            args=(child, self._cancel, config, tuple(obs_shape), int(action_dim), int(seed), num_threads),
+        self._proc = lifeline.tied_process(
+            context,
+            _serve,
+            (child, self._cancel, config, tuple(obs_shape), int(action_dim), int(seed), num_threads),
             daemon=True,
         )
         self._proc.start()

@@ -37,6 +37,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -53,7 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pixelsac.config import SIX as SWITCHES  # noqa: E402  (the repository is on sys.path from here)
+from pixelsac import lifeline  # noqa: E402  (the repository is on sys.path from here)
+from pixelsac.config import SIX as SWITCHES  # noqa: E402
 
 MODES: dict[str, list[str]] = {
     "fp32": ["precision=fp32"],
@@ -390,7 +392,10 @@ def execute(plan: Plan, state: GridState) -> str:
     with open(log, "a") as f:
         f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')} {plan.action}: {shlex.join(command)}\n")
         f.flush()
-        rc = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        # SIGTERM when the grid process ends, however it ends: the run stops as on Ctrl-C (its work
+        # saved, exit 75) and the grid's next start resumes it; its own workers go with it
+        tie = lifeline.tie_before_exec(signal.SIGTERM)
+        rc = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=tie).returncode
     seconds = round(time.monotonic() - started, 1)
     if rc == 0:
         status = "done"

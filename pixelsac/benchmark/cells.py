@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pixelsac import lifeline
 from pixelsac.benchmark.plan import MODES, CellSpec, Mode, Plan
 from pixelsac.benchmark.report import _cpu_statement, _header, _mib, add_ratios, markdown, write_outputs
 from pixelsac.config import load_config, to_plain
@@ -155,6 +156,7 @@ def run_cell_isolated(spec: CellSpec) -> dict[str, Any]:
         capture_output=True,
         text=True,
         env=env,
+        preexec_fn=lifeline.tie_before_exec(),  # killed with the benchmark, however it ends
     )
     for line in result.stdout.splitlines():
         if line.startswith(_CELL_MARK):

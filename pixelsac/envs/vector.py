@@ -7,6 +7,7 @@ for one batched policy forward pass per step. Environment ``i`` is seeded ``seed
 flavours, and a worker does exactly what the in-process environment would: the same seeds and
 actions give the same transitions. A worker that raises reports its error and traceback; one
 that dies outright (killed, crashed) is reported with its exit code -- never waited on forever.
+A worker ends with the process that started it, however that ends (:mod:`pixelsac.lifeline`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pixelsac import lifeline
 from pixelsac.envs.dmc import DMCEnv, EnvError, TimeStep
 
 #: what every env of a set has alike (asked of the first, or reported once by each worker)
@@ -75,7 +77,7 @@ class SerialEnvs:
 
 #: Signals a worker ignores: they ask the run to stop, and the parent decides how (Ctrl-C reaches
 #: the terminal's whole process group, SLURM signals every process of a job step). A worker ends
-#: when the parent closes it or goes away (its pipe reaches EOF).
+#: when the parent closes it, and is killed when the parent ends (:mod:`pixelsac.lifeline`).
 PARENTS_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
 
 
@@ -150,7 +152,8 @@ def _worker(conn: Connection, task: str, seed: int, env_kwargs: dict) -> None:
 
 class ParallelEnvs:
     """N environments, each in a worker process started with ``spawn`` (a fresh interpreter:
-    forking a process that holds OpenGL contexts is not safe)."""
+    forking a process that holds OpenGL contexts is not safe) and tied to this process: the
+    kernel kills it when this process ends, even by SIGKILL (:func:`pixelsac.lifeline.tied_process`)."""
 
     def __init__(self, task: str, seeds: Sequence[int], timeout_s: float = 300.0, **env_kwargs: Any) -> None:
         self.seeds, self.task_name, self.timeout_s = list(seeds), task, timeout_s
@@ -159,7 +162,7 @@ class ParallelEnvs:
         self._procs: list[Any] = []
         for seed in self.seeds:
             parent, child = context.Pipe()
-            proc = context.Process(target=_worker, args=(child, task, seed, env_kwargs), daemon=True)
+            proc = lifeline.tied_process(context, _worker, (child, task, seed, env_kwargs), daemon=True)
             proc.start()
             child.close()
             self._conns.append(parent)
