@@ -532,9 +532,12 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{key}={value} must lie in [0, 1]")
-    if cfg.env.obs == "pixels" and cfg.env.image_size < 2 * cfg.agent.num_conv_layers + 3:
+    # each 3x3 conv trims 2 pixels and the first also halves: L layers leave 1 from 4L - 1
+    smallest_image = 4 * cfg.agent.num_conv_layers - 1
+    if cfg.env.obs == "pixels" and cfg.env.image_size < smallest_image:
         raise ConfigError(
-            f"env.image_size={cfg.env.image_size} is too small for {cfg.agent.num_conv_layers} conv layers"
+            f"env.image_size={cfg.env.image_size} is too small for {cfg.agent.num_conv_layers} conv layers: "
+            f"they need at least {smallest_image} pixels"
         )
     if not cfg.agent.log_std_min < cfg.agent.log_std_max:
         raise ConfigError(

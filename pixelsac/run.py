@@ -26,7 +26,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from pixelsac import cli, rundir
+from pixelsac import cli, footprint, rundir
 from pixelsac.cli import UsageError
 from pixelsac.config import EVAL_SEED_OFFSET, RANK_SEED_STRIDE, ConfigError, stored_config
 from pixelsac.distributed import GradientAverage
@@ -138,6 +138,7 @@ def build_run(
     from pixelsac.envs.vector import make_envs
     from pixelsac.module import SACModule
     from pixelsac.perf import PerfTracker
+    from pixelsac.precision import PrecisionPolicy
     from pixelsac.replay import ReplaySet, replay_placement
     from pixelsac.stopping import StopOnSignal
 
@@ -186,8 +187,10 @@ def build_run(
             f"= {seed_frames} frames), so no update would run; raise train.env_frames or lower "
             "train.seed_steps"
         )
-    try:
-        check_replay_fits(cfg, eval_env, replay_device, world)
+    try:  # sizes this machine cannot hold are refused before any of them is allocated or started
+        footprint.check_replay_fits(cfg, eval_env, replay_device, world)
+        value_bytes = PrecisionPolicy(mode=cfg.precision).param_dtype.itemsize
+        footprint.check_run_fits(cfg, eval_env, trainer.strategy.root_device, world, value_bytes)
     except ConfigError:
         eval_env.close()
         raise
@@ -428,70 +431,6 @@ class RunDirCheckpointIO(TorchCheckpointIO):
             loaded, self._loaded = self._loaded, None  # handed over once; the Trainer holds it from here
             return loaded
         return super().load_checkpoint(path, weights_only=True)
-
-
-def check_replay_fits(cfg: Any, env: Any, device: Any, world: int) -> None:
-    """A ConfigError, with the bytes it would need, for a replay this machine cannot hold.
-
-    A device ring is allocated in full at once; host rings are mapped lazily and fill as the run
-    collects, so they are checked twice: the whole ring against what the machine has (RAM +
-    swap, or the container's limit: more cannot even be reserved) and the part this run's budget
-    fills against the memory available now."""
-    frame_bytes = int(np.prod(env.frame_shape)) * np.dtype(env.frame_dtype).itemsize
-    # one slot: a frame, its action (float32), reward (float32), terminal and episode-start flags
-    slot_bytes = frame_bytes + 4 * env.action_dim + 4 + 1 + 1
-    slots = int(cfg.replay.capacity)
-    need = slots * slot_bytes
-    agent_steps = -(-cfg.train.env_frames // (env.action_repeat * world))
-    episode_steps = -(-cfg.env.episode_frames // env.action_repeat)
-    filled = min(slots, agent_steps + agent_steps // max(episode_steps, 1) + 2 * cfg.env.num_envs) * slot_bytes
-    what = f"replay.capacity={slots:,} needs {_bytes(need)} ({slots:,} slots x {slot_bytes:,} B)"
-    if device is not None and getattr(device, "type", None) == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device)
-        if need > free:
-            raise ConfigError(f"{what} on {device}, which has {_bytes(free)} free: lower replay.capacity")
-        return
-    total, available = host_memory()
-    if total is not None and need > total:
-        raise ConfigError(f"{what} of host memory; this machine has {_bytes(total)} in all: lower replay.capacity")
-    if available is not None and filled > available:
-        raise ConfigError(
-            f"{what}; this run's budget fills {_bytes(filled)} of it and {_bytes(available)} of host memory is "
-            "available: lower replay.capacity (or train.env_frames)"
-        )
-
-
-def host_memory() -> tuple[int | None, int | None]:
-    """(RAM + swap, or the cgroup's limit when lower; memory available now), in bytes; None where
-    the system does not say (not Linux)."""
-    info: dict[str, int] = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            info[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None, None
-    total = info.get("MemTotal", 0) + info.get("SwapTotal", 0) or None
-    available = info.get("MemAvailable")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            limit = int(Path(limit_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        total = min(total, limit) if total else limit
-        available = min(available, limit) if available is not None else limit
-        break
-    return total, available
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _rows_until(metrics: Path, frames: int) -> tuple[list[str], list[dict[str, str]]]:
