@@ -11,6 +11,7 @@ import math
 import os
 import random
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ProgressBar as LightningProgressBar
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from pixelsac.checkpoint import save_atomically
+from pixelsac.checkpoint import REPLAY_OWNER, load_replay, replay_owner, save_atomically
 from pixelsac.collect import Collector, run_episodes
 from pixelsac.envs import DMCEnv
+from pixelsac.files import move_into_place
 from pixelsac.stopping import StopRequest
 from pixelsac.video import EpisodeRecorder
 
@@ -464,6 +466,12 @@ class Checkpointer(L.Callback):
 
     With a ``stop`` request, ``stop.saving`` is on while files are written: a stop signal then
     (the second one) exits at once rather than after the write (see :mod:`pixelsac.stopping`).
+
+    A run has an id (:attr:`run_id`: chosen by rank 0 at a fresh start, kept across resumes),
+    which every checkpoint records; each replay file records it too, with the agent step and rank
+    it was written at (:func:`pixelsac.checkpoint.replay_owner`), so a replay file that is not its
+    checkpoint's is refused. ``replays``: the resumed checkpoint's replay files as already loaded
+    and checked (:func:`pixelsac.checkpoint.check_resumable`); restored from instead of the files.
     """
 
     def __init__(
@@ -473,8 +481,11 @@ class Checkpointer(L.Callback):
         save_replay: bool,
         max_wait_steps: int = 10**9,
         stop: StopRequest | None = None,
+        replays: dict[str, Any] | None = None,
     ) -> None:
         self.folder = Path(run_dir) / "checkpoints"
+        self.run_id = uuid.uuid4().hex
+        self._checked_replays = replays if replays is not None else {}  # emptied once restored
         self.stop = stop
         self.collector = collector
         self.save_replay = save_replay
@@ -496,6 +507,7 @@ class Checkpointer(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._rank, self._world = trainer.global_rank, trainer.world_size
+        self.run_id = trainer.strategy.broadcast(self.run_id, src=0)  # one id for every rank's files
 
     def _replay_name(self, rank: int) -> str:
         suffix = f"-rank{rank}" if rank else ""
@@ -521,6 +533,7 @@ class Checkpointer(L.Callback):
             dist.all_gather_object(ranks, state)  # collective: Lightning builds the checkpoint on every rank
             state = {**ranks[0], "ranks": ranks}
         state["stopped_by"] = self.stopped_by
+        state["run_id"] = self.run_id
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -530,6 +543,8 @@ class Checkpointer(L.Callback):
                 f"the checkpoint holds the collection state of {len(ranks)} ranks; this run has "
                 f"{self._world} (trainer.devices x trainer.num_nodes must match to resume)"
             )
+        run_id = state.get("run_id")  # None: a checkpoint from before runs had an id (this run takes its new one)
+        self.run_id = str(run_id) if run_id else self.run_id
         if ranks is not None:
             state = ranks[self._rank]
         self.collector.load_state_dict(state["collector"])
@@ -540,10 +555,13 @@ class Checkpointer(L.Callback):
         self._replay_file = state["replay_file"]
         if self._replay_file is not None:
             path = self.folder / self._replay_file
-            if not path.is_file():
-                raise FileNotFoundError(f"the checkpoint's replay buffer {path} is missing")
-            self.collector.replay.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            replay = self._checked_replays.pop(self._replay_file, None)
+            if replay is None:  # not checked before the run was built (a Trainer driven directly)
+                owner = replay_owner(run_id, state["collector"]["agent_steps"], self._rank) if run_id else None
+                replay = load_replay(path, self.last_path, owner)
+            self.collector.replay.load_state_dict(replay)
             self.restored_replay = str(path)
+        self._checked_replays.clear()  # copied into the ring: no file stays mapped (the other ranks' neither)
 
     # --- when -------------------------------------------------------------------------------------
     def request(self, best: bool, keep_candidate: bool = False) -> None:
@@ -625,7 +643,9 @@ class Checkpointer(L.Callback):
             self.folder.mkdir(parents=True, exist_ok=True)
         if replay:  # every rank its own, before the checkpoint that names them
             self._replay_file = self._replay_name(trainer.global_rank)
-            _atomic_torch_save(self.collector.replay.state_dict(), self.folder / self._replay_file)
+            owner = replay_owner(self.run_id, self.collector.agent_steps, trainer.global_rank)
+            contents = {**self.collector.replay.state_dict(), REPLAY_OWNER: owner}
+            save_atomically(contents, self.folder / self._replay_file)  # a failed write: OSError naming it
         for name in names:
             path = self.folder / name
             tmp = path.with_name(f".{name}.tmp")
@@ -652,15 +672,4 @@ class Checkpointer(L.Callback):
 
 
 def _fsync_and_replace(tmp: Path, path: Path) -> None:
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself must reach the disk
-    finally:
-        os.close(dir_fd)
-
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    save_atomically(obj, path)  # a failed write (disk full) is an OSError naming the file, no .tmp left
+    move_into_place(tmp, path)  # fsynced, renamed, and the rename itself reaches the disk

@@ -41,6 +41,9 @@ EXIT_IO_FAULT = 74
 #: A run stopped by a signal, its work saved (or nothing new to save): EX_TEMPFAIL, "try again
 #: later" -- run the same command with resume=auto (or resume=RUN_DIR) to continue.
 EXIT_STOPPED = 75
+#: Ctrl-C before a command's own signal handling began (libraries loading, input being checked):
+#: 128 + SIGINT, what the shell reports for a process SIGINT ended. Nothing was written.
+EXIT_INTERRUPTED = 130
 
 #: (code, meaning, an example of the line printed) -- the exit codes of every entry point.
 EXIT_CODES = (
@@ -72,7 +75,8 @@ EXIT_CODES = (
     ),
     (
         128,
-        "128 + N: a second signal N during the save (third otherwise) exits at once; the previous checkpoint stands",
+        "128 + N: a second signal N during the save (third otherwise) exits at once; the previous checkpoint stands. "
+        "Ctrl-C while the command starts, before anything is written: 130",
         "pixelsac: SIGINT again: exiting now with code 130 ...",
     ),
 )
@@ -101,6 +105,16 @@ class UsageError(ValueError):
     """A problem with what the user asked for (exit code 2)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with the one line that says what it stopped (exit code :data:`EXIT_INTERRUPTED`)."""
+
+
+#: What a Ctrl-C before the run's own signal handling stopped.
+INTERRUPTED_WHILE_STARTING = (
+    "SIGINT while starting (loading libraries, checking the configuration): stopped before anything was written"
+)
+
+
 class RunFault(RuntimeError):
     """A run that cannot go on or cannot claim success, in one line, with its exit code."""
 
@@ -125,17 +139,6 @@ def describe_os_error(exc: OSError, then: str = "fix that, then run the command 
         errnos.EIO: "input/output error",
     }.get(first.errno or 0, first.strerror or type(first).__name__)
     return f"{what}: {path}; {then}"
-
-
-@contextlib.contextmanager
-def naming(path: Path | str) -> Iterator[None]:
-    """An OSError raised inside (a write to an open file names no file) names ``path``."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename:
-            raise
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def root_os_error(exc: BaseException) -> OSError:
@@ -170,13 +173,17 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
 
 def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, usage: str) -> int:
     """Run an entry point's ``body(argv)`` and turn what it raises into one line and an exit code:
-    ``-h``/``--help`` prints ``usage``; bad input exits 2; a numerical failure exits 3."""
+    ``-h``/``--help`` prints ``usage``; bad input exits 2; a numerical failure exits 3; a Ctrl-C
+    that reaches here (no handler of the run's caught it) exits 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if wants_help(argv):
         print(usage)
         return 0
     try:
         return body(argv)
+    except KeyboardInterrupt as exc:  # Ctrl-C where no handler of ours catches it: no traceback
+        print(f"pixelsac: {exc if isinstance(exc, Interrupted) else 'interrupted by SIGINT (Ctrl-C)'}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except _bad_input_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

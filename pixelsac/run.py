@@ -12,7 +12,6 @@ episodes that choose ``best.ckpt`` use ``seed + EVAL_SEED_OFFSET``.
 
 from __future__ import annotations
 
-import csv
 import datetime
 import os
 import sys
@@ -23,10 +22,8 @@ from typing import Any
 import lightning as L
 import numpy as np
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from pixelsac import cli, footprint, rundir
+from pixelsac import cli, files, footprint, logs, rundir
 from pixelsac.cli import UsageError
 from pixelsac.config import EVAL_SEED_OFFSET, RANK_SEED_STRIDE, ConfigError, stored_config
 from pixelsac.distributed import GradientAverage
@@ -111,6 +108,7 @@ def build_run(
     stop: Any = None,
     resume_world: int | None = None,
     loaded: dict[str, Any] | None = None,
+    replays: dict[str, Any] | None = None,
 ) -> Run:
     """Build envs, replay, module, collector and Trainer for ``cfg``; writes nothing (nothing
     beyond what it checks: the replay fits in memory, the run directory can be written).
@@ -120,7 +118,8 @@ def build_run(
     ``stop`` (a :class:`pixelsac.stopping.StopRequest`) adds the stop-on-signal callback;
     ``resume_world`` is the number of ranks that wrote the checkpoint resumed from; ``loaded``
     is that checkpoint as already loaded and checked, which the Trainer restores from instead of
-    reading ``resume_from`` again (see :class:`RunDirCheckpointIO`).
+    reading ``resume_from`` again (see :class:`RunDirCheckpointIO`); ``replays`` its replay files
+    likewise (:func:`pixelsac.checkpoint.check_resumable`).
     """
     import torch
     from lightning.pytorch.callbacks import TQDMProgressBar
@@ -162,6 +161,7 @@ def build_run(
     run_dir = shared_run_dir(cfg, rank)
     if rank == 0:
         rundir.check_writable(run_dir)
+        rundir.check_contents(run_dir)  # again under the lock (claim_run_dir); here before anything is built
     if rank == 0 and resume_from is None and cfg.resume != "auto":
         cli.check_out_dir(run_dir, cfg.overwrite, "run_dir", hint=f"resume={run_dir}")
     elif rank == 0 and resume_from is None and not cfg.overwrite and not cli.out_dir_is_free(run_dir):
@@ -232,7 +232,9 @@ def build_run(
             stored_config(cfg), env.obs_shape, env.action_dim, cfg.seed + EVAL_SEED_OFFSET, torch.get_num_threads()
         )
     episode_steps = -(-cfg.env.episode_frames // env.action_repeat) * cfg.env.num_envs
-    checkpointer = Checkpointer(run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps, stop=stop)
+    checkpointer = Checkpointer(
+        run_dir, collector, cfg.checkpoint.save_replay, max_wait_steps=episode_steps, stop=stop, replays=replays
+    )
     evaluator = Evaluator(
         eval_env,
         collector,
@@ -290,37 +292,34 @@ def progress_is_a_terminal() -> bool:
 
 def attach_loggers(run: Run, resume_frames: int | None, pending_eval_frames: int | None = None) -> None:
     """CSV (``metrics.csv``) and TensorBoard (``tb/``) loggers in the run directory, attached
-    once ``fit`` has restored the checkpoint and its replay (:class:`LoggersAfterRestore`): a
+    once ``fit`` has restored the checkpoint and its replay (:class:`pixelsac.logs.LoggersAfterRestore`): a
     resume that fails to load leaves the logs as they were. On resume the CSV keeps its rows up
     to the checkpoint's frame (later ones were never checkpointed), less the row of an evaluation
     the checkpoint holds as in flight (the resumed run logs it)."""
-    run.trainer.callbacks.insert(0, LoggersAfterRestore(run.run_dir, resume_frames, pending_eval_frames))
+    run.trainer.callbacks.insert(0, logs.LoggersAfterRestore(run.run_dir, resume_frames, pending_eval_frames))
 
 
 def write_run_dir(run: Run) -> None:
+    """``config.yaml``, the configuration the run uses; a failed write leaves the earlier one whole."""
     from omegaconf import OmegaConf
 
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    path = run.run_dir / "config.yaml"
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:  # a failed write (disk full) leaves the earlier config.yaml whole
-        with cli.naming(tmp):
-            OmegaConf.save(OmegaConf.create(stored_config(run.cfg)), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    files.write_atomically(run.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(stored_config(run.cfg))))
 
 
 def claim_run_dir(run: Run, resume: Any = None) -> rundir.RunDirLock:
     """Lock the run directory (rank 0; held to the process's end) and check, under the lock, that
-    it is still what the run was planned on: the checkpoint resumed from is the file loaded, and a
-    fresh start finds no checkpoint another process wrote meanwhile. Then ``overwrite=true``
-    removes the earlier run's checkpoints, before anything else is written."""
+    it is still what the run was planned on: nothing the run writes there is a link or a special
+    file (:func:`pixelsac.rundir.check_contents`), the checkpoint resumed from is the file loaded,
+    and a fresh start finds no checkpoint another process wrote meanwhile. The temporary files of
+    a killed attempt go. Then ``overwrite=true`` removes the earlier run's checkpoints, before
+    anything else is written."""
     from pixelsac import checkpoint as ckpt
 
     lock = rundir.RunDirLock(run.run_dir).acquire()
     try:
+        rundir.check_contents(run.run_dir)  # nothing the run writes is a link someone planted meanwhile
+        rundir.remove_partial_files(run.run_dir)  # what a killed attempt's writes left
         if resume is not None and not resume.unchanged():
             raise UsageError(
                 f"{resume.checkpoint} changed after it was loaded (another process wrote {run.run_dir}); "
@@ -339,68 +338,6 @@ def claim_run_dir(run: Run, resume: Any = None) -> rundir.RunDirLock:
         lock.release()
         raise
     return lock
-
-
-class LoggersAfterRestore(L.Callback):
-    """Gives the Trainer its loggers in ``on_fit_start``: after ``fit`` restored the module and
-    callbacks (the Checkpointer's replay included) and before anything logs. Until then the run
-    directory's ``metrics.csv`` and ``tb/`` are untouched. The kept rows are written atomically
-    (temporary file, rename), so a fault mid-write leaves the old file whole."""
-
-    def __init__(self, run_dir: Path, resume_frames: int | None, pending_eval_frames: int | None) -> None:
-        self.run_dir, self.resume_frames, self.pending_eval_frames = Path(run_dir), resume_frames, pending_eval_frames
-
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        metrics = self.run_dir / "metrics.csv"
-        header: list[str] = []
-        if trainer.is_global_zero:
-            header, kept_rows = _rows_until(metrics, self.resume_frames) if self.resume_frames is not None else ([], [])
-            if self.pending_eval_frames is not None:
-                kept_rows = [
-                    row
-                    for row in kept_rows
-                    if not (row.get("eval/return") and float(row["step"]) >= self.pending_eval_frames)
-                ]
-            if header:
-                _write_rows_atomically(metrics, header, kept_rows)
-            else:
-                metrics.unlink(missing_ok=True)  # a fresh start: rows of an attempt that saved nothing go
-        csv_logger = KeptRowsCSVLogger(self.run_dir, name="", version="")
-        if header:
-            csv_logger.experiment.metrics_keys = sorted(header)
-        trainer.loggers = [csv_logger, TensorBoardLogger(self.run_dir, name="tb", version="")]
-
-
-def _write_rows_atomically(path: Path, header: list[str], rows: list[dict[str, str]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with cli.naming(tmp), open(tmp, "w", newline="") as f:
-            out = csv.DictWriter(f, fieldnames=header)
-            out.writeheader()
-            out.writerows(rows)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-class KeptRowsWriter(ExperimentWriter):
-    """Lightning's CSV writer, less the deletion of an existing metrics.csv when it is created:
-    :class:`LoggersAfterRestore` has just written the rows a resumed run keeps there."""
-
-    def _check_log_dir_exists(self) -> None:
-        pass
-
-
-class KeptRowsCSVLogger(CSVLogger):
-    """Lightning's CSV logger with :class:`KeptRowsWriter`."""
-
-    @property
-    def experiment(self) -> Any:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = KeptRowsWriter(log_dir=self.log_dir)
-        return self._experiment
 
 
 class RunDirCheckpointIO(TorchCheckpointIO):
@@ -431,15 +368,3 @@ class RunDirCheckpointIO(TorchCheckpointIO):
             loaded, self._loaded = self._loaded, None  # handed over once; the Trainer holds it from here
             return loaded
         return super().load_checkpoint(path, weights_only=True)
-
-
-def _rows_until(metrics: Path, frames: int) -> tuple[list[str], list[dict[str, str]]]:
-    """The CSV log's header and its rows logged at env frames up to ``frames`` (later rows were
-    never checkpointed: a resumed run logs them again)."""
-    if not metrics.is_file():
-        return [], []
-    with open(metrics, newline="") as f:
-        reader = csv.DictReader(f)
-        return list(reader.fieldnames or []), [
-            row for row in reader if row.get("step") and float(row["step"]) <= frames
-        ]

@@ -8,12 +8,15 @@
 
 Arguments are ``key=value`` overrides of ``conf/config.yaml`` (see the README). A mistake in
 them (a value out of range, NaN, a replay larger than memory), an unknown task, a missing
-OpenGL library, an unusable checkpoint (``best.ckpt``, a missing or corrupt replay file) or a
-run directory that another process holds or that cannot be written is reported in one line
-with exit code 2, before anything is written. A run stopped by a numerical failure (non-finite
-weights, a collapsed loss scale, every update skipped) exits with code 3 after saying why; a
-write that fails while running (disk full) with code 74, in one line naming the file. The exit
-codes are listed in ``pixelsac.cli.EXIT_CODES``.
+OpenGL library, an unusable checkpoint (``best.ckpt``, an empty or zeroed file, a replay file
+that is missing, corrupt, pickled, or another run's or step's), or a run directory that another
+process holds, that cannot be made or written, or where a name the run writes is a link, is
+reported in one line with exit code 2, before anything is written. A Ctrl-C before the run's own
+signal handling begins (libraries loading) is one line and exit code 130. A run stopped by a
+numerical failure (non-finite weights, a collapsed loss scale, every update skipped) exits with
+code 3 after saying why; a write that fails while running (disk full) with code 74, in one line
+naming the file, leaving no partial file. The exit codes are listed in
+``pixelsac.cli.EXIT_CODES``.
 
 One process writes a run directory: it holds ``RUN_DIR/.lock`` (``fcntl.flock``, released by
 the kernel however the process ends). ``trust_checkpoint=true`` holds for the one checkpoint
@@ -36,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pixelsac import cli, train_args
+from pixelsac import cli, files, rundir, train_args
 from pixelsac.config import INVOCATION_ONLY_KEYS, ConfigError, load_config, parse_overrides
 
 USAGE = __doc__
@@ -86,7 +89,13 @@ def resolve_run(argv: list[str]) -> tuple[Any, Any]:
     if file.name == "best.ckpt":  # refused before it is even read
         ckpt.check_resumable(file, {})
     stored = ckpt.load(file, trust=given.get("trust_checkpoint") is True)
-    ckpt.check_resumable(file, stored)
+    replays = ckpt.check_resumable(file, stored)
+    if replays and ckpt.run_id_of(stored) is None:
+        print(
+            f"warning: {file} was written before checkpoints named their run, so its replay file cannot be checked "
+            "to be this run's; it is taken as it is (checkpoints written from now on name it)",
+            file=sys.stderr,
+        )
     base = stored_base_config(file, stored)
     base["run_dir"] = (
         str(run_dir)
@@ -94,7 +103,7 @@ def resolve_run(argv: list[str]) -> tuple[Any, Any]:
         else str(file.parent.parent if file.parent.name == "checkpoints" else file.parent)
     )
     cfg = load_config(argv, valid_tasks=available_tasks(), base=base)
-    return cfg, ckpt.resume_point(file, stored)
+    return cfg, ckpt.resume_point(file, stored, replays)
 
 
 def stored_base_config(file: Path, stored: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +138,7 @@ def train(
         stop=stop,
         resume_world=resume.world_size if resume else None,
         loaded=resume.loaded if resume else None,
+        replays=resume.replays if resume else None,
     )
     zero = run.trainer.global_rank == 0
     say = print if zero else (lambda *args, **kwargs: None)  # one voice under data parallelism
@@ -146,7 +156,7 @@ def train(
     finally:
         _close(run)
         if lock is not None:
-            remove_partial_files(run.run_dir)
+            rundir.remove_partial_files(run.run_dir)
             lock.release()
     run.exit_code = _outcome(run, say)
     return run
@@ -194,7 +204,8 @@ def _fit(run: Any, resume_from: Path | None, resume_frames: int | None, resume: 
                 weights_only=True,
             )
     except NumericalFailure as failure:
-        (run.run_dir / "failure.json").write_text(
+        files.write_atomically(
+            run.run_dir / "failure.json",
             json.dumps(
                 {
                     "message": str(failure),
@@ -205,7 +216,7 @@ def _fit(run: Any, resume_from: Path | None, resume_frames: int | None, resume: 
                     "checkpoint": failure.checkpoint,
                 },
                 indent=2,
-            )
+            ),
         )
         raise
 
@@ -252,34 +263,26 @@ def _outcome(run: Any, say: Any) -> int:
     return cli.EXIT_DONE
 
 
-def remove_partial_files(run_dir: Path) -> None:
-    """Temporary files of writes that did not finish (``checkpoints/.NAME.tmp``, a kept-rows CSV):
-    a fault mid-write leaves none behind. Complete files are never touched."""
-    for folder in (run_dir, run_dir / "checkpoints"):
-        if folder.is_dir():
-            for tmp in folder.glob(".*.tmp"):
-                try:
-                    tmp.unlink()
-                except OSError:
-                    pass
-
-
 def _command(argv: list[str], as_program: bool = False) -> int:
-    argv, dry_run = train_args.split_print_config(argv)
-    train_args.check_early(argv)  # a mistyped key answers before dm_control and torch load
-    cfg, point = resolve_run(argv)
-    if dry_run:
-        print(train_args.render(cfg), end="")
-        return 0
-    if point is not None and point.finished(cfg.train.env_frames):
-        print(
-            f"already done: {point.checkpoint} holds {point.env_frames} env frames (train.env_frames="
-            f"{cfg.train.env_frames}) and their final evaluation; raise train.env_frames to train further"
-        )
-        return 0
-    # Imported after the configuration is checked: it loads Lightning, and a mistyped key should
-    # not wait for that before it is reported.
-    from pixelsac.stopping import handle_stop_signals
+    try:
+        argv, dry_run = train_args.split_print_config(argv)
+        train_args.check_early(argv)  # a mistyped key answers before dm_control and torch load
+        cfg, point = resolve_run(argv)
+        if dry_run:
+            print(train_args.render(cfg), end="")
+            return 0
+        if point is not None and point.finished(cfg.train.env_frames):
+            rundir.tidy(Path(cfg.run_dir))
+            print(
+                f"already done: {point.checkpoint} holds {point.env_frames} env frames (train.env_frames="
+                f"{cfg.train.env_frames}) and their final evaluation; raise train.env_frames to train further"
+            )
+            return 0
+        # Imported after the configuration is checked: it loads Lightning, and a mistyped key should
+        # not wait for that before it is reported.
+        from pixelsac.stopping import handle_stop_signals
+    except KeyboardInterrupt:  # the stop handlers are not installed yet, and nothing was written
+        raise cli.Interrupted(cli.INTERRUPTED_WHILE_STARTING) from None
 
     with handle_stop_signals(cfg.stop.signals, linger=as_program) as stop:
         try:

@@ -14,16 +14,23 @@ is shown to the right, enlarged by nearest-neighbour (no smoothing, so its pixel
 mp4 is written through imageio-ffmpeg, which bundles its own ffmpeg binary. Where that package is
 missing (the offline GPU machine), :func:`write_video` falls back to an animated GIF via pillow
 and returns the ``.gif`` path it wrote instead.
+
+A video is written as ``.NAME.tmp`` beside its name and renamed into place once complete
+(:mod:`pixelsac.files`): a full disk leaves no part of a video, and the OSError names the file.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pixelsac import files
 
 __all__ = ["EpisodeRecorder", "ffmpeg_available", "upscale_nearest", "write_video"]
 
@@ -66,15 +73,63 @@ def write_video(path: str | Path, frames: Iterable[np.ndarray], fps: float = DEF
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".gif" or not ffmpeg_available():
         return _write_gif(path.with_suffix(".gif"), frames, fps)
-    import imageio.v2 as imageio
-
-    # macro_block_size=1: otherwise imageio resizes e.g. 84x84 frames up to 96x96.
-    with imageio.get_writer(
-        path, format="FFMPEG", mode="I", fps=fps, codec="libx264", macro_block_size=1, ffmpeg_log_level="error"
-    ) as writer:
-        for frame in frames:
-            writer.append_data(_even(np.asarray(frame, dtype=np.uint8)))
+    tmp = files.temporary_name(path)
+    os.close(files.open_new(tmp))  # the name is a new regular file of ours, no link, for ffmpeg to fill
+    try:
+        _write_mp4(tmp, [_even(np.asarray(frame, dtype=np.uint8)) for frame in frames], fps)
+        files.move_into_place(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def _write_mp4(path: Path, frames: list[np.ndarray], fps: float) -> None:
+    """H.264 in an mp4 container, by the ffmpeg that imageio-ffmpeg bundles, called as imageio's
+    writer calls it with ``macro_block_size=1`` (imageio would resize 84x84 frames to 96x96), but
+    run here: into a name of our choosing (``-f mp4``: not told by its suffix), in a session of
+    its own (Ctrl-C is the run's to handle), its exit status checked and its complaint read -- a
+    full disk is an OSError naming ``path``, not lines on the terminal and half a video."""
+    import subprocess
+    from fractions import Fraction
+
+    import imageio_ffmpeg
+
+    height, width = frames[0].shape[:2]
+    command = [
+        imageio_ffmpeg.get_ffmpeg_exe(),
+        "-y",
+        *("-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}", "-pix_fmt", "rgb24"),
+        *("-r", str(Fraction(fps).limit_denominator()), "-i", "-", "-an"),
+        *("-vcodec", "libx264", "-pix_fmt", "yuv420p", "-v", "error", "-f", "mp4", str(path)),
+    ]
+    ffmpeg = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        for frame in frames:
+            ffmpeg.stdin.write(np.ascontiguousarray(frame).tobytes())
+    except BrokenPipeError:
+        pass  # ffmpeg gave up: it says why below
+    except BaseException:
+        ffmpeg.kill()
+        ffmpeg.wait()
+        raise
+    _, complaint = ffmpeg.communicate()
+    if ffmpeg.returncode == 0:
+        return
+    said = complaint.decode(errors="replace").strip().splitlines()
+    if any("No space left on device" in line for line in said) or _disk_is_full(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    why = said[-1] if said else f"exit status {ffmpeg.returncode}"
+    raise OSError(errno.EIO, f"ffmpeg could not write it ({why})", str(path))
+
+
+def _disk_is_full(path: Path) -> bool:
+    try:
+        return os.statvfs(path.parent).f_bavail == 0
+    except OSError:
+        return False
 
 
 def _write_gif(path: Path, frames: Sequence[np.ndarray], fps: float) -> Path:
@@ -82,7 +137,10 @@ def _write_gif(path: Path, frames: Sequence[np.ndarray], fps: float) -> Path:
 
     images = [Image.fromarray(np.asarray(frame, dtype=np.uint8)) for frame in frames]
     # GIF stores delays in 10 ms units; pillow rounds the milliseconds it is given.
-    images[0].save(path, save_all=True, append_images=images[1:], duration=max(20, round(1000 / fps)), loop=0)
+    with files.replace_atomically(path) as file:
+        images[0].save(
+            file, format="GIF", save_all=True, append_images=images[1:], duration=max(20, round(1000 / fps)), loop=0
+        )
     return path
 
 

@@ -129,3 +129,38 @@ def test_weights_that_do_not_fit_the_config_are_a_checkpoint_error():
     }
     with pytest.raises(CheckpointError, match="do not fit the network its config describes"):
         SACModule.from_checkpoint(checkpoint)
+
+
+def _replay_file(path, owner):
+    contents = {"buffers": [{"format_version": 1}]}
+    if owner is not None:
+        contents[ckpt.REPLAY_OWNER] = owner
+    torch.save(contents, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "found,message",
+    [
+        (None, "does not say which run wrote it"),
+        (ckpt.replay_owner("b" * 32, 20, 0), f"belongs to another run (run {'b' * 32}; the checkpoint is run"),
+        (
+            ckpt.replay_owner("a" * 32, 12, 0),
+            "holds rank 0's replay at agent step 12; the checkpoint was saved at agent step 20",
+        ),
+        (ckpt.replay_owner("a" * 32, 20, 1), "holds rank 1's replay at agent step 20"),
+    ],
+)
+def test_a_replay_file_that_is_not_its_checkpoints_is_refused_in_one_line(tmp_path, found, message):
+    path = _replay_file(tmp_path / "replay-0000000020.pt", found)
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.load_replay(path, tmp_path / "last.ckpt", ckpt.replay_owner("a" * 32, 20, 0))
+    assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_a_replay_file_of_its_checkpoint_loads_and_one_from_before_run_ids_is_taken_as_it_is(tmp_path):
+    owner = ckpt.replay_owner("a" * 32, 20, 0)
+    mine = ckpt.load_replay(_replay_file(tmp_path / "mine.pt", owner), tmp_path / "last.ckpt", owner)
+    assert mine[ckpt.REPLAY_OWNER] == owner
+    older = ckpt.load_replay(_replay_file(tmp_path / "older.pt", None), tmp_path / "last.ckpt", None)
+    assert ckpt.REPLAY_OWNER not in older

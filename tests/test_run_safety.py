@@ -379,3 +379,280 @@ def test_exit_codes_are_defined_once():
 
     codes = [code for code, _, _ in cli.EXIT_CODES]
     assert codes == sorted(set(codes)) and {0, 2, 3, 4, 74, 75} <= set(codes)
+
+
+# --- 7. small state runs for the checks below ----------------------------------------------------
+
+# SAC from states: no rendering, a few seconds a run. 160 frames at action repeat 8: 20 agent steps,
+# evaluations at 80 and 160, replay-0000000020.pt beside last.ckpt.
+STATE = [
+    "task=cartpole_swingup",
+    "env.obs=state",
+    "env.episode_frames=64",
+    "replay.capacity=400",
+    "agent.batch_size=8",
+    "agent.hidden_dim=32",
+    "train.seed_steps=16",
+    "train.env_frames=160",
+    "train.eval_every_frames=80",
+    "train.eval_episodes=1",
+    "train.log_every_updates=4",
+    "trainer.enable_progress_bar=false",
+    "precision=fp32",
+    "perf.calibrate_updates=0",
+    "train.video_every_evals=0",
+    "train.num_threads=1",
+]
+
+
+def train_state_run(tmp_path_factory, name: str, *overrides: str):
+    from conftest import TrainedRun
+
+    run_dir = tmp_path_factory.mktemp("state") / name
+    result = run_cli(*STATE, *overrides, f"run_dir={run_dir}", cwd=run_dir.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return TrainedRun(run_dir, result.stdout)
+
+
+@pytest.fixture(scope="module")
+def state_run(tmp_path_factory):
+    """A finished 160-frame state run (copy it before changing anything)."""
+    return train_state_run(tmp_path_factory, "state_s1")
+
+
+@pytest.fixture(scope="module")
+def other_state_run(tmp_path_factory):
+    """Another run of the same configuration (seed 2): its replay file has the same name."""
+    return train_state_run(tmp_path_factory, "state_s2", "seed=2")
+
+
+def replay_of(run_dir: Path) -> Path:
+    stored = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    return run_dir / "checkpoints" / stored["callbacks"]["Checkpointer"]["replay_file"]
+
+
+def file_contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --- 8. nothing written through a link ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_lock_that_is_a_link_or_not_a_regular_file_is_refused_and_its_target_kept(
+    tmp_path, monkeypatch, capsys, kind
+):
+    run_dir, victim = tmp_path / "D", tmp_path / "victim"
+    run_dir.mkdir()
+    victim.write_text("precious\n")
+    if kind == "link":
+        (run_dir / ".lock").symlink_to(victim)
+    else:
+        os.mkfifo(run_dir / ".lock")
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, *STATE, f"run_dir={run_dir}", "resume=auto")
+    assert code == EXIT_BAD_INPUT, stderr[-3000:]
+    line = one_error_line(stderr)
+    why = "is a symbolic link" if kind == "link" else "is not a regular file"
+    assert f"{run_dir / '.lock'} {why}" in line, line
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["metrics.csv", "config.yaml", "summary.json", "hparams.yaml", "checkpoints", "tb", "videos", "tb/hparams.yaml"],
+)
+def test_a_file_or_folder_the_run_writes_that_is_a_link_is_refused_and_its_target_kept(
+    state_run, tmp_path, monkeypatch, capsys, name
+):
+    run_dir = copy_run(state_run, tmp_path)
+    inside, elsewhere = run_dir / name, tmp_path / "elsewhere"
+    if inside.exists():
+        shutil.move(inside, elsewhere)
+    else:
+        elsewhere.mkdir()
+        (elsewhere / "precious").write_text("precious\n")
+    inside.symlink_to(elsewhere)
+    before = file_contents(elsewhere) if elsewhere.is_dir() else elsewhere.read_bytes()
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, f"run_dir={run_dir}", "resume=auto", "train.env_frames=320")
+    assert code == EXIT_BAD_INPUT, stderr[-3000:]
+    line = one_error_line(stderr)
+    assert f"{inside} is a symbolic link" in line, line
+    assert (file_contents(elsewhere) if elsewhere.is_dir() else elsewhere.read_bytes()) == before
+
+
+# --- 9. a run_dir that cannot be a directory ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop", "proc"])
+def test_a_run_dir_that_cannot_be_made_exits_2_saying_what_is_wrong_with_the_path(tmp_path, monkeypatch, capsys, kind):
+    if kind == "dangling":
+        (tmp_path / "out").symlink_to(tmp_path / "gone")
+        run_dir, why = "out", f"out is a symbolic link to {tmp_path / 'gone'}, which does not exist"
+    elif kind == "loop":
+        (tmp_path / "a").symlink_to(tmp_path / "b")
+        (tmp_path / "b").symlink_to(tmp_path / "a")
+        run_dir, why = "a", "a is a symbolic link that loops"
+    else:
+        if not Path("/proc/self").is_dir():
+            pytest.skip("no /proc here")
+        run_dir, why = "/proc/pixelsac-run", "/proc is a proc filesystem"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, *STATE, f"run_dir={run_dir}")
+    assert code == EXIT_BAD_INPUT, stderr[-3000:]
+    line = one_error_line(stderr)
+    assert line.startswith(f"error: run_dir {run_dir}") and why in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# --- 10. a replay file is its checkpoint's -------------------------------------------------------
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_replay_file_holding_pickled_objects_is_refused_in_one_line_before_anything_is_written(
+    state_run, tmp_path, monkeypatch, capsys, trust
+):
+    import fractions
+
+    run_dir = copy_run(state_run, tmp_path)
+    replay = replay_of(run_dir)
+    state = torch.load(replay, map_location="cpu", weights_only=True)
+    torch.save({**state, "payload": fractions.Fraction(1, 3)}, replay)
+    before = file_contents(run_dir)
+    args = [f"resume={run_dir}", "train.env_frames=320"] + (["trust_checkpoint=true"] if trust else [])
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, *args)
+    assert code == EXIT_BAD_INPUT, stderr[-3000:]
+    line = one_error_line(stderr)
+    assert f"replay file {replay}" in line and "pickled Python objects" in line, line
+    assert file_contents(run_dir) == before
+
+
+def test_a_replay_file_from_another_run_is_refused_before_anything_is_written(
+    state_run, other_state_run, tmp_path, monkeypatch, capsys
+):
+    run_dir = copy_run(state_run, tmp_path)
+    replay = replay_of(run_dir)
+    shutil.copy(replay_of(other_state_run.run_dir), replay)  # the same name: the same step of another run
+    before = file_contents(run_dir)
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, f"resume={run_dir}", "train.env_frames=320")
+    assert code == EXIT_BAD_INPUT, stderr[-3000:]
+    line = one_error_line(stderr)
+    assert f"replay file {replay}" in line and "another run" in line, line
+    assert file_contents(run_dir) == before
+
+
+def test_a_checkpoint_from_before_run_ids_resumes_with_a_warning_and_then_names_its_run(state_run, tmp_path):
+    from pixelsac.checkpoint import REPLAY_OWNER
+
+    run_dir = copy_run(state_run, tmp_path)
+    last, replay = run_dir / "checkpoints" / "last.ckpt", replay_of(run_dir)
+    stored = torch.load(last, map_location="cpu", weights_only=True)
+    del stored["callbacks"]["Checkpointer"]["run_id"]  # as an older pixelsac wrote them
+    torch.save(stored, last)
+    state = torch.load(replay, map_location="cpu", weights_only=True)
+    del state[REPLAY_OWNER]
+    torch.save(state, replay)
+    result = run_cli(f"resume={run_dir}", "train.env_frames=240", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"warning: {last} was written before checkpoints named their run" in result.stderr
+    resumed = torch.load(last, map_location="cpu", weights_only=True)["callbacks"]["Checkpointer"]
+    written_by = torch.load(replay_of(run_dir), map_location="cpu", weights_only=True)[REPLAY_OWNER]
+    assert written_by["run_id"] == resumed["run_id"] and written_by["agent_steps"] == 30
+
+
+# --- 11. a full disk under every writer -----------------------------------------------------------
+
+FILL_THEN_LOG = """
+import os, sys
+import pixelsac.callbacks as callbacks
+import pixelsac.train as train_mod
+
+where = sys.argv[1]
+real = callbacks.TrainingLogger.on_train_batch_end
+filled = []
+
+def filling(self, trainer, *args):  # the first update done: every log file exists, the disk fills
+    if not filled:
+        filled.append(1)
+        fd = os.open(os.path.join(where, "filler"), os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"\\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        for logger in reversed(trainer.loggers):  # the next scalar: to TensorBoard's writer first
+            logger.log_metrics({f"train/filled_{i}": 1.0 for i in range(200)}, step=0)  # more than a page
+            logger.save()
+    return real(self, trainer, *args)
+
+callbacks.TrainingLogger.on_train_batch_end = filling
+sys.exit(train_mod.main(sys.argv[2:]))
+"""
+
+
+def test_a_full_disk_under_the_loggers_is_one_line_naming_the_file_and_leaves_no_partial_file(small_tmpfs, tmp_path):
+    run_dir = small_tmpfs / "run"
+    result = subprocess.run(
+        [sys.executable, "-c", FILL_THEN_LOG, str(small_tmpfs), *STATE, f"run_dir={run_dir}"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == EXIT_IO_FAULT, result.stdout[-2000:] + result.stderr[-3000:]
+    line = one_error_line(result.stderr)  # no thread's traceback either
+    assert "Exception in thread" not in result.stderr, result.stderr[-3000:]
+    assert line.startswith(f"error: no space left on device: {run_dir / 'tb' / 'events.out.tfevents.'}"), line
+    empty = [p for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock" and p.stat().st_size == 0]
+    assert not empty, empty
+    assert not [p for p in run_dir.rglob("*.tmp")], list(run_dir.rglob("*"))
+
+
+# --- 12. interrupted starts, leftovers, damaged checkpoints --------------------------------------
+
+
+def test_ctrl_c_while_the_libraries_load_is_one_line_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_cli(*STATE, f"run_dir={run_dir}", cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text():  # torch is being imported
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "pixelsac: SIGINT while starting (loading libraries, checking the configuration): stopped before "
+        "anything was written"
+    ], err
+    assert not run_dir.exists()
+
+
+def test_already_done_removes_the_temporary_file_of_a_killed_save(state_run, tmp_path, monkeypatch, capsys):
+    run_dir = copy_run(state_run, tmp_path)
+    left = run_dir / "checkpoints" / ".replay-0000000020.pt.tmp"  # a save SIGKILLed mid-write
+    left.write_bytes(b"PK\3\4 half a replay")
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, f"run_dir={run_dir}", "resume=auto")
+    assert code == 0, stderr[-3000:]
+    assert not left.exists()
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "empty"])
+def test_a_zeroed_or_empty_checkpoint_is_refused_in_one_plain_line(state_run, tmp_path, monkeypatch, capsys, damage):
+    run_dir = copy_run(state_run, tmp_path)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.write_bytes(b"\0" * last.stat().st_size if damage == "zeroed" else b"")
+    code, stderr = main_in(tmp_path, monkeypatch, capsys, f"resume={run_dir}", "train.env_frames=320")
+    assert code == EXIT_BAD_INPUT, stderr[-3000:]
+    line = one_error_line(stderr)
+    what = "holds only zero bytes" if damage == "zeroed" else "is empty"
+    assert f"{last} {what}" in line, line
+    assert "legacy" not in line and "weights_only" not in line, line

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pixelsac import files
 from pixelsac.perf.meters import SavedBytes, _fmt_bytes, group_ratios, ratio, speedup
 
 if TYPE_CHECKING:
@@ -239,10 +240,11 @@ def _finite(value: Any) -> Any:
 
 
 def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
-    """``summary.json`` (raw numbers) and ``summary.md`` (the table) in ``run_dir``."""
+    """``summary.json`` (raw numbers) and ``summary.md`` (the table) in ``run_dir``, each written
+    whole or not at all (:func:`pixelsac.files.write_atomically`)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
+    files.write_atomically(run_dir / "summary.json", json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n")
     lines = ["# Run summary", "", "| what | value |", "|---|---|"]
     lines += [f"| {what} | {value.replace('|', '/')} |" for what, value in summary_rows(summary)]
     lines += [
@@ -250,4 +252,4 @@ def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
         "Memory figures (ratios: this run ÷ the fp32 copy timed at start-up, same batch):",
         *(f"- **{name}**: {text}" for name, text in summary.get("memory_figures", MEMORY_FIGURES).items()),
     ]
-    (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    files.write_atomically(run_dir / "summary.md", "\n".join(lines) + "\n")
