@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -143,7 +144,12 @@ def test_buffers_are_readable_fp16_state_and_params_are_not_duplicated():
     assert "critic_ema.kahan_comp.2__bias" in keys
     assert not any(k.startswith("critic_ema.") and "critic" in k[len("critic_ema.") :] for k in keys)
     assert len(list(agent.parameters())) == 8  # critic + target only
-    assert all(b.dtype == F16 for b in agent.critic_ema.buffers())
+    assert all(b.dtype == F16 for b in agent.critic_ema.buffers() if b.is_floating_point())
+    assert {n for n, b in agent.critic_ema.named_buffers() if not b.is_floating_point()} == {
+        "scale_shifts",
+        "target_updates",
+        "first_nonfinite",
+    }
     for p, q in zip(agent.critic.parameters(), agent.critic_target.parameters()):
         assert torch.equal(p, q)  # θ̄ = θ at init
     assert agent.critic_ema.target is agent.critic_target
@@ -233,3 +239,141 @@ def test_derived_target_needs_the_scaled_copy():
         KahanEMA(source, None, compensated=False, derived_target=True)
     with pytest.raises(ValueError, match="target network is needed"):
         KahanEMA(source, None)
+
+
+# --------------------------------------------------------- adaptive scale: no ceiling on θ
+def scaled_ema_error(ema: KahanEMA, exact: torch.Tensor) -> torch.Tensor:
+    """|θ̄ - EMA_float64| of a one-tensor pair, in units of the bound that holds for any K_i:
+    ulp(K_i·θ)/K_i (the scaled copy's rounding and the omitted residue) + ulp(θ)/2."""
+    theta_bar = ema.target_parameters()[0].detach().view(-1).double()
+    k_i = float(ema.tensor_scales()[0])
+    bound = fp16_ulp(k_i * exact) / k_i * 1.5 + fp16_ulp(exact) / 2
+    return (theta_bar - exact).abs() / bound
+
+
+def test_a_fixed_k_stops_beyond_its_ceiling_the_adaptive_scale_tracks_float64():
+    """Critic weights of 8-40 (the full-size DrQ critic passed 6.55 = 65504 / K after ~4,850
+    updates): the published K stops the run; the per-tensor power-of-two scale follows the
+    float64 EMA within the rounding bound of its own K_i."""
+    gen = torch.Generator().manual_seed(5)
+    start = (8.0 + 32.0 * torch.rand(16, generator=gen, dtype=F64)).to(F16)
+    with pytest.raises(FloatingPointError, match=r"\|θ\| must stay below 6.55"):
+        KahanEMA(*make_pair(start), scale=K)
+    source, target = make_pair(start)
+    ema = KahanEMA(source, target, scale=K, adaptive_scale=True)
+    assert float(ema.tensor_scales()[0]) == K / 32  # 40·K/16 = 25,000 > 16,376 >= 40·K/32 = 12,500
+    thetas = []
+    for step in range(1500):
+        theta = (start.double() * (1 + 0.1 * step / 1500) + 1e-3 * torch.randn(16, generator=gen, dtype=F64)).to(F16)
+        with torch.no_grad():
+            source.weight.copy_(theta.view(1, -1))
+        ema.update_(TAU)
+        thetas.append(theta)
+    exact = float64_ema(start, thetas)
+    assert (scaled_ema_error(ema, exact) <= 1.0).all(), scaled_ema_error(ema, exact)
+    assert ema.first_nonfinite_update() is None
+    assert float(ema.peak_fraction()) <= 0.25 * (1 + 2 * TAU)
+
+
+def test_the_scale_follows_a_weight_that_grows_through_the_ceiling_and_shrinks_back():
+    """θ grows from 0.5-1 to 30-60 and back over 4,000 updates: K_i halves as it must and
+    doubles back to K; the target tracks float64 throughout (each rescale is exact)."""
+    gen = torch.Generator().manual_seed(6)
+    base = (0.5 + 0.5 * torch.rand(8, generator=gen, dtype=F64)).to(F16)
+    source, target = make_pair(base)
+    ema = KahanEMA(source, target, scale=K, adaptive_scale=True, check_every_update=False)
+    exact, seen_scales = base.double().clone(), set()
+    for step in range(5500):
+        growth = 1 + 59 * math.sin(math.pi * min(step, 4000) / 4000)  # 1 -> 60 -> 1, then held while θ̄ catches up
+        theta = (base.double() * growth).to(F16)
+        with torch.no_grad():
+            source.weight.copy_(theta.view(1, -1))
+        ema.update_(TAU)
+        exact += TAU * (theta.double() - exact)
+        seen_scales.add(float(ema.tensor_scales()[0]))
+        if step % 500 == 499:
+            assert (scaled_ema_error(ema, exact) <= 1.0).all(), (step, scaled_ema_error(ema, exact))
+    assert min(seen_scales) <= K / 32 and float(ema.tensor_scales()[0]) == K
+    assert ema.first_nonfinite_update() is None
+    ema.check_finite()
+
+
+def test_below_its_threshold_the_adaptive_scale_is_the_published_update_bit_for_bit():
+    gen = torch.Generator().manual_seed(7)
+    start = (0.05 * torch.randn(32, generator=gen, dtype=F64)).to(F16)
+    pairs = [make_pair(start) for _ in range(2)]
+    fixed = KahanEMA(*pairs[0], scale=K)
+    adaptive = KahanEMA(*pairs[1], scale=K, adaptive_scale=True)
+    for _ in range(200):
+        change = (1e-3 * torch.randn(32, generator=gen, dtype=F64)).to(F16)
+        for source, _ in pairs:
+            with torch.no_grad():
+                source.weight.add_(change.view(1, -1))
+        fixed.update_(TAU)
+        adaptive.update_(TAU)
+    assert torch.equal(pairs[0][1].weight, pairs[1][1].weight)
+    for a, b in zip(fixed.buffers(), adaptive.buffers()):
+        assert torch.equal(a, b)
+
+
+def test_the_first_failed_update_is_recorded_on_the_device_and_named_later():
+    """With the check deferred (sync-free), a fixed K's overflow at update 5 is still reported as
+    update 5 after ten more updates, and recording it read nothing on the host."""
+    from dispatch_count import DispatchCount
+
+    source, target = make_pair(torch.tensor([0.5, 6.0], dtype=F16))
+    ema = KahanEMA(source, target, scale=K, check_every_update=False)
+    with DispatchCount() as count:
+        for step in range(1, 16):
+            if step == 5:
+                with torch.no_grad():
+                    source.weight.fill_(7.0)  # K·7 = 70000 > 65504
+            ema.update_(TAU)
+    assert count.host_reads == 0, dict(count.read_sites)
+    assert ema.first_nonfinite_update() == 5
+    with pytest.raises(FloatingPointError, match=r"since target update 5 of 15.*must stay below 6.55"):
+        ema.check_finite()
+
+
+def test_an_adaptive_update_reads_nothing_on_the_host():
+    from dispatch_count import DispatchCount
+
+    source, target = make_pair(torch.tensor([0.5, 3.0, -20.0], dtype=F16))
+    ema = KahanEMA(source, None, scale=K, adaptive_scale=True, derived_target=True, check_every_update=False)
+    ema.update_(TAU)  # the derived target's first update flips a host-side flag
+    with DispatchCount() as count:
+        for _ in range(3):
+            with torch.no_grad():
+                source.weight.mul_(1.5)
+            ema.update_(TAU)
+            ema(torch.ones(1, 3, dtype=F16))
+    assert count.host_reads == 0, dict(count.read_sites)
+
+
+def test_a_state_from_before_the_adaptive_scale_loads_with_k_for_every_tensor():
+    old_agent = Agent(seed=0)
+    for _ in range(3):
+        old_agent.critic_ema.update_(TAU)
+    state = {
+        k: v
+        for k, v in old_agent.state_dict().items()
+        if not k.endswith(("scale_shifts", "target_updates", "first_nonfinite"))
+    }
+    restored = Agent(seed=1)
+    restored.critic_ema.adaptive_scale = True
+    restored.load_state_dict(state)
+    assert torch.equal(restored.critic_ema.scale_shifts, torch.zeros(4, dtype=torch.int32))
+    assert restored.critic_ema.first_nonfinite_update() is None
+    for a, b in zip(old_agent.critic_target.parameters(), restored.critic_target.parameters()):
+        assert torch.equal(a, b)
+    restored.critic_ema.update_(TAU)
+    restored.critic_ema.check_finite()
+
+
+def test_adaptive_scale_in_bf16_keeps_k():
+    """bf16 has fp32's range: K·θ never nears it, the shifts stay 0 for any sensible θ."""
+    start = torch.tensor([0.5, 40.0, -300.0], dtype=torch.bfloat16)
+    source, target = make_pair(start)
+    ema = KahanEMA(source, target, scale=K, adaptive_scale=True)
+    ema.update_(TAU)
+    assert float(ema.tensor_scales()[0]) == K

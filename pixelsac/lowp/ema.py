@@ -13,7 +13,34 @@ plus a Kahan buffer ``c``, all in the parameter dtype::
     θ̄   = θ̄_S / K              # the copy used in forward passes
 
 Scaling by K moves the increments out of the subnormal range; the Kahan buffer keeps what
-still falls below an ulp of ``θ̄_S``. Constraint: ``|K·θ| < 65504`` in fp16, i.e. ``|θ| < 6.55``.
+still falls below an ulp of ``θ̄_S``. As published, K is one constant, so every parameter is
+held to ``|K·θ| < 65504`` in fp16, i.e. ``|θ| < 6.55``: a ceiling that training reaches (a
+full-size DrQ critic crossed it after ~4,850 updates at lr 1e-3, and the run had to stop).
+
+Adaptive scale (``adaptive_scale=True``; beyond the paper). Each parameter tensor ``i`` gets its
+own scale ``K_i = K·2^{k_i}`` with an integer shift ``k_i <= 0``, chosen before every update from
+the tensor's own peak ``P_i = max(max|θ_i|, max|θ̄_i|)``::
+
+    k_i <- clamp(floor(log2(H / (K·P_i))), k_min, 0)        H = headroom · (dtype's largest value)
+    θ̄_S,i <- θ̄_S,i · 2^{k_i' - k_i}     c_i <- c_i · 2^{k_i' - k_i}     (exact: powers of two)
+
+then the update above with ``K_i`` in place of K. With ``headroom = 1/4`` every ``|K_i·θ_i|`` and
+``|θ̄_S,i|`` stays below 16,376 in fp16, and ``u``, ``y`` and ``t`` (at most ``(1 + 2τ)`` times
+that) below 65,504: there is no ceiling on the weights, only the dtype's own range. Multiplying
+by a power of two only moves the exponent, so the rescale loses nothing unless an element falls
+into the subnormal range (below 6.1e-5 in fp16; in ``θ̄_S`` that needs ``|θ̄| < 6.1e-5 / K_i``).
+``K_i`` stays at K (``k_i = 0``) while ``K·P_i <= H``, which is every tensor of a freshly
+initialised network: until a parameter grows past ``H/K`` (1.64 for K = 1e4) the update is the
+published one, bit for bit. The decision is made on the device from the tensors themselves (no
+host read, graph-safe), so every data-parallel rank, holding the same weights, takes the same one.
+The shifts are a buffer (``scale_shifts``) and travel with checkpoints; a checkpoint written
+before they existed loads with every shift 0 (its scaled copy is ``K·θ̄``).
+
+Detection (compensated forms): after every update the module records on the device the
+number of the first target update after which ``θ̄_S`` held a NaN or inf (``first_nonfinite``,
+-1 while none has). Reading it (:meth:`first_nonfinite_update`, :meth:`check_finite`) is a host
+synchronisation: do it where the host waits anyway, and the failure is still pinned to the
+update where it happened.
 
 Derived target (``derived_target=True``; a memory saving beyond the paper): ``θ̄ = θ̄_S / K`` is
 a function of state already kept, so it need not be stored. The target network is then evaluated
@@ -40,10 +67,36 @@ from .kahan import kahan_add_
 
 __all__ = ["KahanEMA"]
 
+#: The smallest shift: ``K·2^-100`` is still a normal float32 for any sensible K, and no parameter
+#: of a finite fp16 or bf16 network needs less (fp16's largest value needs k >= -16 at K = 1e4).
+MIN_SHIFT = -100
+
 
 def _after_load(module: nn.Module, incompatible_keys: Any) -> None:
     """A loaded state says whether θ̄ is still θ (one host read, at load time only)."""
-    module._fresh = int(module.updates_applied) == 0
+    if module.derived_target:
+        module._fresh = int(module.updates_applied) == 0
+
+
+def _fill_missing_buffers(
+    module: KahanEMA, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any
+) -> None:
+    """A state written before the adaptive scale and the failure record existed holds ``K·θ̄``
+    with one K: every shift is 0, and no target update is known to have failed."""
+    if not module.compensated:
+        return
+    defaults = {
+        "scale_shifts": torch.zeros_like(module.scale_shifts),
+        "first_nonfinite": torch.full_like(module.first_nonfinite, -1),
+        "target_updates": torch.zeros_like(module.target_updates),
+    }
+    for name, value in defaults.items():
+        state_dict.setdefault(prefix + name, value)
+
+
+def _peaks(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``max|t|`` of each tensor as a float32 vector (exact: a 16-bit value widens exactly)."""
+    return torch.stack(torch._foreach_norm(tensors, float("inf"))).float()
 
 
 class _BufferBag(nn.Module):
@@ -61,21 +114,28 @@ class KahanEMA(nn.Module):
         source: the online network θ (e.g. the critic).
         target: the network θ̄ used in forward passes (e.g. the target critic); its parameters
             are overwritten in place, at init with θ and on every :meth:`update_`.
-        scale: ``K``, the factor of the scaled copy ``θ̄_S = K·θ̄``.
+        scale: ``K``, the factor of the scaled copy ``θ̄_S = K·θ̄`` (with ``adaptive_scale``, the
+            largest per-tensor factor).
         compensated: False gives the naive in-dtype EMA ``θ̄ += τ(θ - θ̄)`` with no extra
             buffers (the baseline).
         check_every_update: check ``K·θ`` after every :meth:`update_` (a host synchronisation
             each time). False leaves it to the caller's :meth:`check_finite` at a moment when the
-            host waits anyway (e.g. logging): an overflowed ``θ̄_S`` stays non-finite, so a
-            later check still sees it.
+            host waits anyway (e.g. logging): the update where it first failed is recorded on the
+            device, so a later check still names it.
         derived_target: do not keep ``θ̄``; compute it from ``θ̄_S`` whenever the target runs
             (module docstring). Needs ``compensated=True``; ``target`` may then be None. Adds the
             buffer ``updates_applied`` (0 until the first update, then 1).
+        adaptive_scale: a power-of-two scale per tensor, ``K_i = K·2^{k_i} <= K``, chosen from
+            the tensor's peak before each update so that ``K_i·θ`` keeps ``headroom`` of the
+            dtype's range (module docstring). False is the published single K.
+        headroom: the fraction of the dtype's largest value that ``|K_i·θ|`` may reach.
 
     With ``compensated=True`` the buffers ``scaled_params.<name>`` (θ̄_S) and
     ``kahan_comp.<name>`` (c) are registered on this module, in the parameters' dtype, so they
-    appear in a parent module's ``state_dict`` and follow its ``.to()``. ``source`` and
-    ``target`` are referenced, not registered: their parameters stay owned by whoever owns
+    appear in a parent module's ``state_dict`` and follow its ``.to()``; beside them the integer
+    buffers ``scale_shifts`` (k_i, one per parameter), ``target_updates`` (updates applied) and
+    ``first_nonfinite`` (the first update after which θ̄_S was not finite, -1 for none). ``source``
+    and ``target`` are referenced, not registered: their parameters stay owned by whoever owns
     the networks.
 
     Raises:
@@ -87,17 +147,24 @@ class KahanEMA(nn.Module):
     def __init__(
         self,
         source: nn.Module,
-        target: nn.Module,
+        target: nn.Module | None,
         scale: float = 1e4,
         compensated: bool = True,
         check_every_update: bool = True,
         derived_target: bool = False,
+        adaptive_scale: bool = False,
+        headroom: float = 0.25,
     ) -> None:
         super().__init__()
         if not scale > 0:
             raise ValueError(f"KahanEMA: scale K must be positive, got {scale}")
+        if not 0.0 < headroom <= 0.25:
+            # u, y and t reach (1 + 2τ)·headroom of the range: 1/4 leaves room for any τ <= 1
+            raise ValueError(f"KahanEMA: headroom must lie in (0, 0.25], got {headroom}")
         if derived_target and not compensated:
             raise ValueError("KahanEMA: derived_target needs compensated=True (θ̄ is derived from the scaled copy)")
+        if adaptive_scale and not compensated:
+            raise ValueError("KahanEMA: adaptive_scale needs compensated=True (it scales the scaled copy)")
         self.derived_target = bool(derived_target)
         if target is None:
             if not self.derived_target:
@@ -108,6 +175,8 @@ class KahanEMA(nn.Module):
         self.scale = float(scale)
         self.compensated = bool(compensated)
         self.check_every_update = bool(check_every_update)
+        self.adaptive_scale = bool(adaptive_scale)
+        self.headroom = float(headroom)
 
         source_named = list(source.named_parameters())
         target_named = list(target.named_parameters())
@@ -138,19 +207,30 @@ class KahanEMA(nn.Module):
             buffer_names = [_buffer_name(name) for name in source_names]
             if len(set(buffer_names)) != len(buffer_names):
                 raise ValueError(f"KahanEMA: parameter names collide as buffer names: {buffer_names}")
+            device = source_named[0][1].device if source_named else None
+            shifts = torch.zeros(len(source_named), dtype=torch.int32, device=device)
+            if self.adaptive_scale and source_named:
+                with torch.no_grad():
+                    peaks = torch.stack([p.detach().abs().amax().float() for _, p in source_named])
+                    shifts = self._shifts_for(peaks, source_named[0][1].dtype)
+            self.register_buffer("scale_shifts", shifts)
+            self.register_buffer("target_updates", torch.zeros((), dtype=torch.int64, device=device))
+            self.register_buffer("first_nonfinite", torch.full((), -1, dtype=torch.int64, device=device))
             with torch.no_grad():
-                for buffer_name, (_, src) in zip(buffer_names, source_named):
-                    # K·θ in fp32 (exact enough), rounded once into the parameter dtype.
-                    scaled = (src.detach().float() * self.scale).to(src.dtype)
+                factors = self.tensor_scales().tolist()  # at construction only: a host read is fine
+                for buffer_name, (_, src), factor in zip(buffer_names, source_named, factors):
+                    # K_i·θ in fp32 (exact enough), rounded once into the parameter dtype.
+                    scaled = (src.detach().float() * factor).to(src.dtype)
                     self.scaled_params.register_buffer(buffer_name, scaled)
                     self.kahan_comp.register_buffer(buffer_name, torch.zeros_like(src))
+            self._register_load_state_dict_pre_hook(_fill_missing_buffers, with_module=True)
             self.check_finite()
         if self.derived_target:
             # 0 until the first update_ (the target is θ itself then), 1 after; a buffer so that a
             # checkpoint remembers it, mirrored on the host so that forward never reads the device
             self.register_buffer("updates_applied", torch.zeros((), dtype=torch.int64))
             self._fresh = True
-            self.register_load_state_dict_post_hook(_after_load)
+        self.register_load_state_dict_post_hook(_after_load)
 
     @property
     def source(self) -> nn.Module:
@@ -162,15 +242,54 @@ class KahanEMA(nn.Module):
         with ``derived_target``: nothing holds θ̄ between uses)."""
         return None if self.derived_target else self._networks[1]
 
+    # --- scales -----------------------------------------------------------------------------
+    def tensor_scales(self) -> torch.Tensor:
+        """``K_i = K·2^{k_i}`` per parameter, a float32 vector on the buffers' device (exact: a
+        power of two times K). Without compensation: K for every parameter."""
+        if not self.compensated:
+            return torch.full((len(self.param_names),), self.scale, dtype=torch.float32)
+        return torch.exp2(self.scale_shifts.float()).mul_(self.scale)
+
+    def _shifts_for(self, peaks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The shifts ``k_i = clamp(floor(log2(H / (K·P_i))), MIN_SHIFT, 0)`` for the float32
+        peaks ``P_i``; a peak of 0 keeps K, a non-finite one is left to the finiteness check
+        (its shift comes out as MIN_SHIFT for inf and 0 for NaN: the run stops either way)."""
+        limit = self.headroom * torch.finfo(dtype).max
+        wanted = torch.log2(peaks.reciprocal().mul_(limit / self.scale)).floor_()
+        wanted = torch.nan_to_num(wanted, nan=0.0, posinf=0.0, neginf=float(MIN_SHIFT))
+        return wanted.clamp_(MIN_SHIFT, 0).to(torch.int32)
+
+    def peak_fraction(self) -> torch.Tensor:
+        """``max_i max|θ̄_S,i| ÷ (dtype's largest value)``, a 0-dim float32 tensor (no host read):
+        how close the scaled copy is to overflowing. It approaches 1 before a fixed K fails; the
+        adaptive scale holds it at or below ``headroom·(1 + 2τ)``."""
+        if not self.compensated or not self.param_names:
+            return torch.zeros(())
+        scaled, _ = self._buffers_in_order()
+        return _peaks(scaled).max() / torch.finfo(scaled[0].dtype).max
+
+    def first_nonfinite_update(self) -> int | None:
+        """The number (1-based) of the first :meth:`update_` after which ``θ̄_S`` held a NaN or
+        inf, or None. A host read."""
+        if not self.compensated:
+            return None
+        first = int(self.first_nonfinite)
+        return first if first >= 0 else None
+
+    # --- the target network -------------------------------------------------------------------
+    def _derived(self) -> list[torch.Tensor]:
+        """``θ̄_i = θ̄_S,i / K_i``: one rounding of the exact quotient (K_i is a power of two
+        times K), the same bits wherever it is computed."""
+        scaled, _ = self._buffers_in_order()
+        return list(torch._foreach_div(scaled, list(self.tensor_scales().unbind())))
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the target network θ̄ (derived from ``θ̄_S / K`` when it is not stored)."""
         if not self.derived_target:
             return self.target(*args, **kwargs)
         if self._fresh:
             return self.source(*args, **kwargs)
-        scaled, _ = self._buffers_in_order()
-        derived = torch._foreach_div(scaled, self.scale)  # the stored copy's very division: the same bits
-        return functional_call(self.source, dict(zip(self.param_names, derived)), args, kwargs)
+        return functional_call(self.source, dict(zip(self.param_names, self._derived())), args, kwargs)
 
     def target_parameters(self) -> list[torch.Tensor]:
         """θ̄ as tensors: the stored target's parameters, or (derived) freshly computed copies."""
@@ -178,8 +297,7 @@ class KahanEMA(nn.Module):
             return list(self.target.parameters())
         if self._fresh:
             return [p.detach() for p in self.source.parameters()]
-        scaled, _ = self._buffers_in_order()
-        return list(torch._foreach_div(scaled, self.scale))
+        return self._derived()
 
     def _buffers_in_order(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         names = [_buffer_name(name) for name in self.param_names]
@@ -189,26 +307,38 @@ class KahanEMA(nn.Module):
         )
 
     def check_finite(self) -> None:
-        """Raise FloatingPointError if ``K·θ̄`` is not finite (one host sync; no-op uncompensated)."""
+        """Raise FloatingPointError if ``K·θ̄`` is not finite (one host sync; no-op uncompensated),
+        naming the parameter and the first update after which it was not."""
         if not self.compensated:
             return
         scaled, _ = self._buffers_in_order()
         if not scaled:
             return
+        first = self.first_nonfinite_update()
         flags = torch.stack([all_finite(t).to(scaled[0].device) for t in scaled])
-        if bool(flags.all()):
+        if first is None and bool(flags.all()):
             return
-        for name, tensor in zip(self.param_names, scaled):
+        scales = self.tensor_scales().tolist()
+        when = f" since target update {first} of {int(self.target_updates)}" if first is not None else ""
+        for name, tensor, factor in zip(self.param_names, scaled, scales):
             if not bool(all_finite(tensor)):
+                if self.adaptive_scale:
+                    raise FloatingPointError(
+                        f"KahanEMA: K·θ is not finite for parameter {name!r}{when} (K = {factor:g}, adaptive, "
+                        f"dtype {tensor.dtype}): the critic's weights themselves are no longer finite"
+                    )
                 raise FloatingPointError(
-                    f"KahanEMA: K·θ is not finite for parameter {name!r} (K = {self.scale:g}, "
+                    f"KahanEMA: K·θ is not finite for parameter {name!r}{when} (K = {factor:g}, "
                     f"dtype {tensor.dtype}); |θ| must stay below "
-                    f"{torch.finfo(tensor.dtype).max / self.scale:.4g}. Lower K or check θ."
+                    f"{torch.finfo(tensor.dtype).max / factor:.4g} with a fixed K (the adaptive scale has "
+                    "no such ceiling)"
                 )
+        raise FloatingPointError(f"KahanEMA: the scaled target copy was not finite{when}")
 
     @torch.no_grad()
     def update_(self, tau: float) -> None:
-        """``θ̄ <- θ̄ + τ(θ - θ̄)``, Kahan-compensated on the K-scaled copy when enabled."""
+        """``θ̄ <- θ̄ + τ(θ - θ̄)``, Kahan-compensated on the scaled copy when enabled (each
+        tensor's scale first re-chosen when ``adaptive_scale``)."""
         sources = [p for _, p in self.source.named_parameters()]
         targets = [] if self.derived_target else [p for _, p in self.target.named_parameters()]
         if not self.compensated:
@@ -217,11 +347,27 @@ class KahanEMA(nn.Module):
             torch._foreach_add_(targets, increments)
             return
         scaled, comps = self._buffers_in_order()
-        # u = τ (K θ - θ̄_S)
-        updates = torch._foreach_mul(sources, self.scale)
+        scales = self.tensor_scales()
+        if self.adaptive_scale and sources:
+            count = len(sources)
+            peaks = _peaks([*sources, *scaled]).view(2, count)  # max|θ_i|, then max|θ̄_S,i|
+            shifts = self._shifts_for(torch.maximum(peaks[0], peaks[1] / scales), sources[0].dtype)
+            new_scales = torch.exp2(shifts.float()).mul_(self.scale)
+            factors = list((new_scales / scales).unbind())  # powers of two: 1 where a tensor keeps its scale
+            torch._foreach_mul_(scaled, factors)
+            torch._foreach_mul_(comps, factors)
+            self.scale_shifts.copy_(shifts)
+            scales = new_scales
+        # u = τ (K_i θ - θ̄_S)
+        updates = torch._foreach_mul(sources, list(scales.unbind()))
         torch._foreach_sub_(updates, scaled)
         torch._foreach_mul_(updates, tau)
         kahan_add_(scaled, updates, comps)
+        self.target_updates.add_(1)
+        # an L1 norm carries any inf or NaN into its sum (a max-like reduction need not)
+        finite = torch.stack(torch._foreach_norm(scaled, 1, dtype=torch.float32)).sum().isfinite()
+        failed_now = ~finite & (self.first_nonfinite < 0)
+        self.first_nonfinite.copy_(torch.where(failed_now, self.target_updates, self.first_nonfinite))
         if self.check_every_update:
             self.check_finite()
         if self.derived_target:
@@ -229,5 +375,5 @@ class KahanEMA(nn.Module):
                 self.updates_applied.fill_(1)
                 self._fresh = False
             return
-        # θ̄ = θ̄_S / K
-        torch._foreach_copy_(targets, torch._foreach_div(scaled, self.scale))
+        # θ̄ = θ̄_S / K_i
+        torch._foreach_copy_(targets, self._derived())

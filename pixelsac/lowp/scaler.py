@@ -33,6 +33,15 @@ count and the step counters are 0-dim device tensors and the skip is decided on 
 Growth needs ``clean > growth_interval``, which cannot happen before ``growth_interval + 1 -
 clean`` more steps; the host counts steps and reads ``clean`` only then (one synchronisation per
 ~growth_interval steps, and a growth at exactly the step the host-side rule would grow).
+
+Headroom and overflow records (both forms, on the device, read when the host waits anyway):
+every step also takes each gradient's peak ``max|S·g|`` (one foreach pass) and keeps
+
+* :meth:`take_grad_peak`: the largest peak of the taken steps since the last read, as a fraction
+  of the dtype's largest value -- how close ``S`` is to the next overflow (1 = overflowed);
+* :meth:`last_overflow`: what overflowed at the last skipped step: the first parameter whose
+  scaled gradient was not finite (by its position in the optimizer's order), or ``"state"``
+  when the gradients were finite and the optimizer's new state was not.
 """
 
 from __future__ import annotations
@@ -205,6 +214,12 @@ class CompoundLossScaler:
         }
         self._device_counts: dict[str, torch.Tensor] | None = None
         self._steps_until_growth_check = 0
+        # device records for the logs: the largest peak |S·g| of the taken steps since the last
+        # read, and every gradient's peak at the last skipped step (a non-finite one names the
+        # culprit; all finite: the optimizer's state overflowed); None until the first step
+        self._grad_peak: torch.Tensor | None = None
+        self._skipped_peaks: torch.Tensor | None = None
+        self._skipped_any = False  # host: has any step been skipped (the record is meaningful)
 
     def _get(self, name: str) -> Any:
         if self._device_counts is not None:
@@ -295,11 +310,13 @@ class CompoundLossScaler:
             reduced = reduce_found_inf(found_inf)
             if reduced is not None:
                 found_inf = reduced
+        peaks = self._gradient_peaks(optimizer, found_inf.device)
         if self.sync_free:
-            taken = self._step_on_device(optimizer, found_inf)
+            taken = self._step_on_device(optimizer, found_inf, peaks)
             self.count_step(optimizer)
             return taken
         if bool(found_inf.item() > 0):
+            self._record(peaks, skipped=True)
             self._scale *= self.backoff_factor
             rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
             self.clean_steps = 0
@@ -311,11 +328,13 @@ class CompoundLossScaler:
             # The gradients were finite but the optimizer state they lead to is not (hAdam's root
             # moment past the dtype's range): the optimizer did not apply the step, and a smaller
             # scale is the cure, exactly as for an overflowing gradient.
+            self._record(peaks, skipped=True)
             self._scale *= self.backoff_factor
             rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
             self.clean_steps = 0
             self.skipped_steps += 1
             return False
+        self._record(peaks, skipped=False)
         self.taken_steps += 1
         self.clean_steps += 1
         if self.clean_steps > self.growth_interval and optimizer_state_is_finite_after(
@@ -340,7 +359,7 @@ class CompoundLossScaler:
             reduced = reduce_found_inf(found_inf)
             if reduced is not None:
                 found_inf = reduced
-        return self._step_on_device(optimizer, found_inf)
+        return self._step_on_device(optimizer, found_inf, self._gradient_peaks(optimizer, found_inf.device))
 
     def count_step(self, optimizer: Optimizer) -> None:
         """The host half of a sync-free step: count it, and look at growth when it may be due."""
@@ -348,10 +367,13 @@ class CompoundLossScaler:
         if self._steps_until_growth_check <= 0:
             self._growth_check(optimizer)
 
-    def _step_on_device(self, optimizer: Optimizer, found_inf: torch.Tensor) -> torch.Tensor:
+    def _step_on_device(
+        self, optimizer: Optimizer, found_inf: torch.Tensor, peaks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         counts = self._device_state(found_inf.device)
         optimizer.step(found_inf=found_inf)
         skipped = (found_inf > 0) | _state_overflow_flag(optimizer, found_inf.device)
+        self._record(peaks, skipped)
         factor = torch.where(skipped, self.backoff_factor, 1.0).to(torch.float32)
         counts["scale"].mul_(factor)
         optimizer.rescale_state_(factor, eps_floor=self.eps_floor)
@@ -360,6 +382,57 @@ class CompoundLossScaler:
         counts["taken_steps"].add_(taken.to(torch.int64))
         counts["clean_steps"].add_(1).mul_(taken.to(torch.int64))
         return taken
+
+    # --- records for the logs (device tensors; reading them is the caller's host sync) ----------
+    @torch.no_grad()
+    def _gradient_peaks(self, optimizer: Optimizer, device: torch.device) -> torch.Tensor | None:
+        """Each gradient's peak ``max|S·g|`` in the gradients' dtype (inf/NaN where it overflowed):
+        one foreach pass and a stack."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return None
+        peaks = torch.stack(torch._foreach_norm(grads, float("inf"))).to(device)
+        if self._grad_peak is None:
+            self._grad_peak = torch.zeros((), dtype=peaks.dtype, device=device)
+            self._skipped_peaks = torch.zeros_like(peaks)
+        return peaks
+
+    def _record(self, peaks: torch.Tensor | None, skipped: bool | torch.Tensor) -> None:
+        """Keep the step's peaks when it was skipped, its largest peak when it was taken (a bool
+        decided on the host, or a 0-dim device tensor: no host read)."""
+        if peaks is None or self._grad_peak is None or peaks.shape != self._skipped_peaks.shape:
+            return
+        if torch.is_tensor(skipped):
+            self._skipped_peaks.copy_(torch.where(skipped, peaks, self._skipped_peaks))
+            torch.maximum(self._grad_peak, torch.where(skipped, 0.0, peaks.max()), out=self._grad_peak)
+            self._skipped_any = True  # maybe: the record says (all zeros until a skip)
+        elif skipped:
+            self._skipped_peaks.copy_(peaks)
+            self._skipped_any = True
+        else:
+            torch.maximum(self._grad_peak, peaks.max(), out=self._grad_peak)
+
+    def take_grad_peak(self) -> torch.Tensor | None:
+        """The largest ``max|S·g|`` over the taken steps since the last call, ÷ the dtype's
+        largest value (a 0-dim float32 device tensor, then reset; None before any step)."""
+        if self._grad_peak is None:
+            return None
+        peak = self._grad_peak.float() / torch.finfo(self._grad_peak.dtype).max
+        self._grad_peak.zero_()
+        return peak
+
+    def last_overflow(self, optimizer: Optimizer | None = None) -> int | str | None:
+        """What overflowed at the last skipped step: the position of the first parameter whose
+        scaled gradient was not finite (among the parameters with a gradient, in the optimizer's
+        order), ``"state"`` (every gradient finite, the optimizer's new state not), or None when
+        no step was skipped. A host read."""
+        if not self._skipped_any or self._skipped_peaks is None:
+            return None
+        peaks = self._skipped_peaks.float().cpu()
+        if not bool(peaks.any()):  # never written: no skip yet (sync-free records from the device)
+            return None
+        bad = (~torch.isfinite(peaks)).nonzero()
+        return int(bad[0]) if len(bad) else "state"
 
     def _growth_check(self, optimizer: Optimizer) -> None:
         """The host-side half of sync-free growth: read ``clean`` now that it may exceed the interval."""
