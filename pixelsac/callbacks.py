@@ -75,6 +75,10 @@ class TrainingLogger(L.Callback):
                 row[f"lowp/loss_scale_{name}"] = scale
             for name, count in module.skipped.items():
                 row[f"lowp/skipped_{name}"] = count
+            records, notes = module.lowp_records()
+            row.update({f"lowp/{name}": value for name, value in records.items()})
+            for note in notes:
+                print(f"pixelsac: {note}", flush=True)
             _log(trainer, {**row, **counters}, step=counters["env_frames"])
             self.progress["critic_loss"] = row["train/critic_loss"]
 

@@ -63,6 +63,7 @@ NULLABLE: dict[str, type] = {
     "lowp.stochastic_weights": bool,
     "lowp.derived_target": bool,
     "lowp.fp32_q_output": bool,
+    "lowp.adaptive_target_scale": bool,
     "lowp.fp32_actor_loss": bool,
     "lowp.fp32_actor_features": bool,
     "env.action_repeat": int,

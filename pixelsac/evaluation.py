@@ -279,6 +279,7 @@ def _results(
         "unbiased_moments",
         "stochastic_weights",
         "derived_target",
+        "adaptive_target_scale",
         "fp32_q_output",
         "fp32_actor_loss",
         "fp32_actor_features",

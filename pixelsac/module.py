@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pixelsac import lowp
 from pixelsac.augment import RandomShift
 from pixelsac.checkpoint import FORMAT_VERSION, CheckpointError, first_line
 from pixelsac.config import from_plain
@@ -78,9 +79,11 @@ def _convert_target_keys(module: SACModule, state_dict: dict[str, Any], prefix: 
         state_dict.setdefault(applied_key, torch.tensor(0 if fresh else 1, dtype=torch.int64))
     elif not updater.derived_target and applied_key in state_dict and not stored:
         fresh = int(state_dict.pop(applied_key)) == 0
-        for name in updater.param_names:
+        shifts = state_dict.get(prefix + "target_updater.scale_shifts")  # absent before the adaptive scale
+        for i, name in enumerate(updater.param_names):
             scaled = state_dict[prefix + "target_updater.scaled_params." + name.replace(".", "__")]
-            state_dict[stored_prefix + name] = state_dict[critic_prefix + name] if fresh else scaled / updater.scale
+            scale = updater.scale * 2.0 ** (int(shifts[i]) if shifts is not None else 0)
+            state_dict[stored_prefix + name] = state_dict[critic_prefix + name] if fresh else scaled / scale
 
 
 class SACModule(L.LightningModule):
@@ -114,6 +117,7 @@ class SACModule(L.LightningModule):
         self.scalers: dict[str, Any] = {}
         self.updates = 0  # gradient updates attempted (critic steps, taken or skipped)
         self._skipped_host = dict.fromkeys(LOSSES, 0)
+        self._skips_reported = dict.fromkeys(LOSSES, 0)  # skips already explained in the log
         # skips decided on the device, summed there; read (a sync) only when someone asks
         self._skipped_device: dict[str, torch.Tensor] = {}
         self.metrics: dict[str, torch.Tensor] = {}
@@ -179,6 +183,7 @@ class SACModule(L.LightningModule):
         state = checkpoint.get("pixelsac", {})
         self.updates = int(state.get("updates", 0))
         self._skipped_host.update(state.get("skipped", {}))
+        self._skips_reported = dict(self._skipped_host)
         self._skipped_device = {}
         self._pending_scaler_states = state.get("scalers", {})
 
@@ -209,12 +214,43 @@ class SACModule(L.LightningModule):
         with self.precision_policy.compute_context():
             dist = self._dist(self.critic.trunk(obs_t))
             action = dist.sample() if sample else dist.mean
-        actions = action.clamp(-1.0, 1.0).float().cpu().numpy()
+        actions = action.clamp(-1.0, 1.0).float()
+        failed = self._target_failure_flag()
+        if failed is None:
+            actions = actions.cpu().numpy()
+        else:
+            # the target's failure record rides on the copy the host waits for anyway: a failed
+            # target update stops the run at the next agent step, not after a log interval of skips
+            packed = torch.cat([actions.flatten(), failed.to(actions.device, torch.float32).view(1)]).cpu().numpy()
+            actions = packed[:-1].reshape(tuple(action.shape))
+            if packed[-1] >= 0:
+                self.check_target()
         if not np.isfinite(actions).all():  # weights went non-finite since the last health check
             raise NumericalFailure(
                 "the policy produced non-finite actions; its weights are no longer finite", weights_finite=False
             )
         return actions
+
+    def _target_failure_flag(self) -> torch.Tensor | None:
+        """The target's device record of its first non-finite update (-1: none), or None where
+        there is none (the plain EMA) or nothing is training (evaluation, before any update)."""
+        if not self.target_updater.compensated or self.updates == 0:
+            return None
+        return self.target_updater.first_nonfinite
+
+    def check_target(self) -> None:
+        """Raise :class:`NumericalFailure` when the target's scaled copy went non-finite, naming
+        the update where it first did (one host read)."""
+        try:
+            self.target_updater.check_finite()
+        except FloatingPointError as exc:
+            first = self.target_updater.first_nonfinite_update()
+            every = self.cfg.agent.critic_target_update_every
+            where = f"in update {(first - 1) * every + 1}" if first is not None else f"before update {self.updates}"
+            raise NumericalFailure(
+                f"target update {where} (stopped after update {self.updates}): {exc}",
+                weights_finite=self.weights_are_finite(),
+            ) from exc
 
     # --- losses ---------------------------------------------------------------------------------
     def critic_loss(
@@ -370,10 +406,9 @@ class SACModule(L.LightningModule):
         if with_target:
             try:
                 self.target_updater.update_(agent.critic_tau)
-            except FloatingPointError as exc:  # K·θ overflowed: the critic has grown out of range
-                raise NumericalFailure(
-                    f"target update after update {self.updates}: {exc}", weights_finite=self.weights_are_finite()
-                ) from exc
+            except FloatingPointError:  # K·θ overflowed (checked at once when the update is not sync-free)
+                self.check_target()
+                raise
         return metrics
 
     # --- numerical health ---------------------------------------------------------------------
@@ -412,12 +447,7 @@ class SACModule(L.LightningModule):
         """
         scales = self.loss_scales()
         scales_text = ", ".join(f"{n}={s:g}" for n, s in scales.items())
-        try:
-            self.target_updater.check_finite()  # deferred to here when the update is sync-free
-        except FloatingPointError as exc:
-            raise NumericalFailure(
-                f"target update before update {self.updates}: {exc}", weights_finite=self.weights_are_finite()
-            ) from exc
+        self.check_target()  # deferred to here when the update is sync-free
         bad = self.nonfinite_weight_groups()
         if bad:
             losses = ", ".join(f"{k}={float(v):.4g}" for k, v in metrics.items() if k.endswith("loss"))
@@ -436,6 +466,53 @@ class SACModule(L.LightningModule):
                     f"{self.updates} ({self.skipped[name]} skipped {name} steps; loss scales {scales_text})",
                     weights_finite=True,
                 )
+
+    def lowp_records(self) -> tuple[dict[str, float], list[str]]:
+        """Headroom figures for ``metrics.csv`` (``lowp/*``, docs/metrics.md) and one line per loss
+        whose steps were skipped since the last call, saying what overflowed. Host reads: call it
+        at the logging interval.
+
+        ``target_peak``: ``max|θ̄_S| ÷`` the dtype's largest value (a fixed K fails at 1);
+        ``target_scale_min``: the smallest per-tensor K; ``grad_peak_<loss>``: the largest
+        ``max|S·g|`` of the taken steps since the last call ÷ the dtype's largest value."""
+        records: dict[str, torch.Tensor] = {}
+        if self.target_updater.compensated and self.target_updater.param_names:
+            records["target_peak"] = self.target_updater.peak_fraction()
+            records["target_scale_min"] = self.target_updater.tensor_scales().min()
+        compound = {n: s for n, s in self.scalers.items() if isinstance(s, lowp.CompoundLossScaler)}
+        for name, scaler in compound.items():
+            peak = scaler.take_grad_peak()
+            if peak is not None:
+                records[f"grad_peak_{name}"] = peak
+        values = {}
+        if records:
+            device = next(iter(records.values())).device
+            stacked = torch.stack([v.to(device, torch.float32) for v in records.values()]).tolist()
+            values = dict(zip(records, stacked))
+        notes = []
+        skipped = self.skipped if compound else {}
+        for name, scaler in compound.items():
+            new = skipped[name] - self._skips_reported.get(name, 0)
+            if new > 0:
+                site = self._overflow_site(name, scaler)
+                notes.append(
+                    f"{name} loss: {new} step{'s' * (new > 1)} skipped by update {self.updates} "
+                    f"(loss scale now {float(scaler.scale):g}); the last overflowed in {site}"
+                )
+        self._skips_reported.update(skipped)
+        return values, notes
+
+    def _overflow_site(self, loss: str, scaler: lowp.CompoundLossScaler) -> str:
+        what = scaler.last_overflow()
+        if what is None:
+            return "an unknown place"
+        if what == "state":
+            return "the optimizer's new state (hAdam's root moment past the dtype's range)"
+        optimizer = self._optimizers_by_loss[loss]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        names = {id(p): n for n, p in self.named_parameters()}
+        name = names.get(id(params[what]), f"parameter {what}") if what < len(params) else f"parameter {what}"
+        return f"the scaled gradient of {name}"
 
     def loss_scales(self) -> dict[str, float]:
         """Current loss scale per loss (1.0 where no scaler runs)."""

@@ -21,6 +21,14 @@ optimizer tracks float64 Adam instead of taking 1.3-1.55x too large steps (see
 ``lowp/hadam.py``); ``lowp.unbiased_moments=false`` is the published six. ``lowp.all`` sets the
 six only. It acts inside hAdam, so it does nothing where ``lowp.hadam`` is off.
 
+Two switches keep pure fp16 in range at full size (on by default in fp16 and bf16; beyond the
+paper, ``false`` gives the published form): ``lowp.adaptive_target_scale`` gives each tensor of
+Kahan-momentum's scaled copy its own power-of-two scale ``K·2^-k``, re-chosen on the device before
+every target update, instead of one K = 1e4 that caps every critic weight at 6.55 in fp16 (the
+full-size DrQ critic passed it after ~4,850 updates); ``lowp.fp32_q_output`` keeps the critic's Q
+values, TD target, TD error and squared loss in fp32 from the 16-bit weights, so returns of
+hundreds neither square to inf nor overflow the scaled loss ``S·L``.
+
 Two memory savings, each its own switch (state bytes: ``python -m pixelsac.bench``):
 ``lowp.derived_target`` (on by default in fp16/bf16 where Kahan-momentum runs) does not store the
 target critic but computes it from the ×K copy when used -- bitwise the same updates;
@@ -134,6 +142,7 @@ class PrecisionPolicy:
     unbiased_moments: bool = False
     stochastic_weights: bool = False
     derived_target: bool = False
+    adaptive_target_scale: bool = False
     fp32_q_output: bool = False
     fp32_actor_loss: bool = False
     fp32_actor_features: bool = False
@@ -165,9 +174,14 @@ class PrecisionPolicy:
         derived_target = cfg.lowp.get("derived_target")
         if derived_target is None:
             derived_target = low
+        adaptive_target_scale = cfg.lowp.get("adaptive_target_scale")
+        if adaptive_target_scale is None:  # a fixed K stopped the full-size fp16 critic at |θ| > 6.55
+            adaptive_target_scale = low
         fp32_q_output = cfg.lowp.get("fp32_q_output")
-        if fp32_q_output is None:  # bf16 rounds Q ~ 30 to 0.125: a quarter of the TD signal (tools/grad_fidelity.py)
-            fp32_q_output = mode == "bf16"
+        if fp32_q_output is None:
+            # bf16 rounds Q ~ 30 to 0.125: a quarter of the TD signal (tools/grad_fidelity.py); fp16's S·loss
+            # and squared TD errors overflow once returns reach the hundreds (the full-size critic's loss scale)
+            fp32_q_output = mode == "bf16" or (mode == "fp16" and switches["loss_scaling"])
         fp32_actor_loss = cfg.lowp.get("fp32_actor_loss")
         if fp32_actor_loss is None:  # bf16 left 10-20% of the actor's gradient wrong (tools/grad_fidelity.py)
             fp32_actor_loss = mode == "bf16"
@@ -195,6 +209,7 @@ class PrecisionPolicy:
             # stochastic rounding replaces a Kahan buffer only where the unbiased hAdam step writes
             stochastic_weights=bool(stochastic_weights) and unbiased_moments and switches["hadam"],
             derived_target=bool(derived_target) and switches["kahan_momentum"],
+            adaptive_target_scale=bool(adaptive_target_scale) and switches["kahan_momentum"],
             fp32_q_output=bool(fp32_q_output) and low,
             fp32_actor_loss=bool(fp32_actor_loss) and low,
             fp32_actor_features=bool(fp32_actor_features) and low,
@@ -317,7 +332,9 @@ class PrecisionPolicy:
 
     def make_target_updater(self, source: nn.Module, target: nn.Module | None) -> lowp.KahanEMA:
         """Soft target update: Kahan-momentum with the xK scaled copy, or the plain EMA; with
-        ``derived_target`` the target is computed from the xK copy when used (``target`` None)."""
+        ``derived_target`` the target is computed from the xK copy when used (``target`` None);
+        with ``adaptive_target_scale`` each tensor's K is a power of two below ``target_scale``
+        chosen on the device to keep the copy in range (``lowp/ema.py``)."""
         return lowp.KahanEMA(
             source,
             target,
@@ -325,6 +342,7 @@ class PrecisionPolicy:
             compensated=self.kahan_momentum,
             check_every_update=not self.sync_free,
             derived_target=self.derived_target,
+            adaptive_scale=self.adaptive_target_scale,
         )
 
     def distribution(self, mu: torch.Tensor, log_std: torch.Tensor) -> lowp.SquashedNormal:
@@ -415,6 +433,8 @@ class PrecisionPolicy:
             on[on.index("kahan_gradients")] = "kahan_gradients (as stochastic rounding)"
         if self.derived_target:
             on.append("derived_target")
+        if self.adaptive_target_scale:
+            on.append("adaptive_target_scale")
         if self.fp32_q_output:
             on.append("fp32_q_output")
         if self.fp32_actor_loss:

@@ -240,34 +240,46 @@ def test_naive_fp16_run_stops_loudly_at_its_first_update(tmp_path):
 
 
 def test_target_copy_overflow_becomes_a_numerical_failure():
-    """Kahan-momentum's K·θ overflow (|θ| > 6.55 at K = 1e4) stops the run like any other
-    numerical failure, naming the parameter, instead of escaping as a raw FloatingPointError."""
+    """With the published single K (``lowp.adaptive_target_scale=false``), Kahan-momentum's K·θ
+    overflow (|θ| > 6.55 at K = 1e4) stops the run like any other numerical failure, naming the
+    parameter and the update, instead of escaping as a raw FloatingPointError. The default's
+    per-tensor scale takes the same weight in its stride."""
     from test_module import fit, make_batch, make_module
 
     from pixelsac.precision import NumericalFailure
 
-    module = make_module("precision=fp16")
+    module = make_module("precision=fp16", "lowp.adaptive_target_scale=false")
     with torch.no_grad():
         module.critic.q1[0].weight[0, 0] = 8.0  # K·θ = 80000 > 65504
     with pytest.raises(
-        NumericalFailure, match=r"target update after update 0: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'"
+        NumericalFailure,
+        match=r"target update in update 1 \(stopped after update 0\): KahanEMA: K·θ is not finite for parameter "
+        r"'q1.0.weight' since target update 1 of 1",
     ):
         fit(module, [make_batch()])
+    default = make_module("precision=fp16")
+    with torch.no_grad():
+        default.critic.q1[0].weight[0, 0] = 8.0
+    fit(default, [make_batch(seed=i) for i in range(3)])
+    assert float(default.target_updater.tensor_scales().min()) < 1e4 and default.weights_are_finite()
 
 
 def test_sync_free_target_copy_overflow_stops_at_the_next_health_check():
-    """Sync-free updates do not read K·θ on the host; the health check (every log_every_updates)
-    finds the overflowed copy, which stays non-finite, and stops the run with the same message."""
+    """Sync-free updates do not read K·θ on the host; the device records the first target update
+    that overflowed, and the health check (every log_every_updates) stops the run naming it."""
     from test_module import fit, make_batch, make_module
 
     from pixelsac.precision import NumericalFailure
 
-    module = make_module("precision=fp16", "perf.sync_free=true", "train.log_every_updates=3")
+    module = make_module(
+        "precision=fp16", "perf.sync_free=true", "train.log_every_updates=3", "lowp.adaptive_target_scale=false"
+    )
     with torch.no_grad():
         module.critic.q1[0].weight[0, 0] = 8.0
     with pytest.raises(
         NumericalFailure,
-        match=r"target update before update 3: KahanEMA: K·θ is not finite for parameter 'q1.0.weight'",
+        match=r"target update in update 1 \(stopped after update 3\): KahanEMA: K·θ is not finite for parameter "
+        r"'q1.0.weight' since target update 1 of 2",
     ):
         fit(module, [make_batch(seed=i) for i in range(6)])
     assert module.updates == 3

@@ -63,11 +63,19 @@ MODES: dict[str, list[str]] = {
     "fp16-naive": ["precision=fp16", "lowp.all=false"],
     "amp": ["precision=amp"],
     "bf16": ["precision=bf16"],
-    "fp16-six": ["precision=fp16", "lowp.unbiased_moments=false"],
+    "fp16-six": [
+        "precision=fp16",
+        "lowp.unbiased_moments=false",
+        "lowp.adaptive_target_scale=false",
+        "lowp.fp32_q_output=false",
+    ],
+    # today's fp16 before the full-size fixes: one K for the target copy and Q in fp16
+    "fp16-fixed_k": ["precision=fp16", "lowp.adaptive_target_scale=false", "lowp.fp32_q_output=false"],
     # the published five: none of the switches beyond the paper that bf16 turns on by default
     "bf16-six": [
         "precision=bf16",
         "lowp.unbiased_moments=false",
+        "lowp.adaptive_target_scale=false",
         "lowp.fp32_q_output=false",
         "lowp.fp32_actor_loss=false",
         "lowp.fp32_actor_features=false",

@@ -59,8 +59,15 @@ def _modes() -> dict[str, Mode]:
         ),
         Mode(
             "fp16-six",
-            ("precision=fp16", "lowp.all=true", "lowp.unbiased_moments=false", "lowp.derived_target=false"),
-            "pure fp16 with the six as published (no unbiased moments, stored target)",
+            (
+                "precision=fp16",
+                "lowp.all=true",
+                "lowp.unbiased_moments=false",
+                "lowp.derived_target=false",
+                "lowp.adaptive_target_scale=false",
+                "lowp.fp32_q_output=false",
+            ),
+            "pure fp16 with the six as published (no unbiased moments, stored target, one K, fp16 Q)",
         ),
         Mode(
             "bf16-six",
@@ -68,6 +75,7 @@ def _modes() -> dict[str, Mode]:
                 "precision=bf16",
                 "lowp.unbiased_moments=false",
                 "lowp.derived_target=false",
+                "lowp.adaptive_target_scale=false",
                 "lowp.fp32_q_output=false",
                 "lowp.fp32_actor_loss=false",
                 "lowp.fp32_actor_features=false",
