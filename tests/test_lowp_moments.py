@@ -275,6 +275,50 @@ def test_unbiased_step_is_the_same_whatever_the_packing(dtype, kahan, capturable
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
+@pytest.mark.parametrize("kahan", [True, False])
+def test_the_kept_views_follow_parameters_and_state_given_new_storage(kahan):
+    """hAdam keeps its flat views of parameters and state between steps (a view is an op a GPU
+    step pays for); a parameter given new storage in another memory format, a parameter given a
+    copy of itself and a replaced state tensor must be read and written where they are now: the
+    same weights and state, bit for bit, as a run where nothing moved."""
+    results = []
+    for move in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(4, 3, 3, 3), (5, 6), ()]
+        params = [torch.randn(shape, generator=gen).to(F16).requires_grad_() for shape in shapes]
+        opt = HAdam(params, lr=1e-3, eps=1e-4, kahan=kahan, capturable=True, unbiased_moments=True, chunk_numel=None)
+        for step in range(5):
+            if move and step == 2:
+                params[0].data = params[0].data.to(memory_format=torch.channels_last)
+                params[1].data = params[1].data.clone()
+                opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"].clone()
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * 50).to(F16).to(memory_format=torch.preserve_format)
+            opt.step(found_inf=torch.tensor(0.0))
+        results.append(
+            [p.detach().contiguous() for p in params]
+            + [opt.state[p][k].contiguous() for p in params for k in ("exp_avg", "exp_avg_root")]
+        )
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_step_after_the_first_makes_views_of_the_gradients_only():
+    """The flat views of parameters and state are made once: later steps view each gradient."""
+    from dispatch_count import DispatchCount
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(shape, generator=gen).to(F16).requires_grad_() for shape in [(4, 3), (5,), (2, 2, 2)]]
+    opt = HAdam(params, lr=1e-3, capturable=True, unbiased_moments=True, chunk_numel=None)
+    views = []
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(F16)
+        with DispatchCount() as count:
+            opt.step(found_inf=torch.tensor(0.0))
+        views.append(count.ops["aten.view.default"])
+    assert views[1] == views[2] == len(params) < views[0], views
+
+
 def test_stochastic_rounding_of_several_streams_in_one_call_is_one_call_per_stream():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(300, generator=gen)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_finite", "all_finite_many", "finite_bits"]
+__all__ = ["all_finite", "all_finite_many", "finite_bits", "finite_pattern"]
 
 
 def all_finite(tensor: torch.Tensor, factor: float | None = None) -> torch.Tensor:
@@ -76,5 +76,11 @@ def finite_bits(tensor: torch.Tensor) -> torch.Tensor:
     exponent field is not all ones (which marks ±inf and NaN)."""
     if tensor.dtype != torch.float32:
         raise TypeError(f"finite_bits: expects float32, got {tensor.dtype}")
+    return finite_pattern(tensor.view(torch.int32))
+
+
+def finite_pattern(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`finite_bits` of float32 values given as their int32 bit patterns (``t.view(torch.int32)``,
+    for a caller that has the view already)."""
     exponent = 0x7F800000
-    return tensor.view(torch.int32).bitwise_and(exponent).ne(exponent)
+    return bits.bitwise_and(exponent).ne(exponent)

@@ -242,6 +242,7 @@ class HAdam(Optimizer):
         self.seed = int(seed)
         self.chunk_numel = None if chunk_numel is None else int(chunk_numel)
         self._layout_constants: dict[tuple, torch.Tensor] = {}  # see _constant
+        self._flat_views: dict[int, tuple] = {}  # see _state_flats
         # Set by every step: True (or a 0-dim bool device tensor) when a new root moment or
         # denominator would not be finite and the step was therefore not applied.
         self.state_overflow: bool | torch.Tensor = False
@@ -292,18 +293,15 @@ class HAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        ok = None
-        if found_inf is not None:
-            if not all(group.get("capturable", False) for group in self.param_groups):
-                raise ValueError(
-                    "HAdam.step(found_inf=...) needs capturable=True: a host-side step "
-                    "cannot skip without reading the flag on the host"
-                )
-            ok = (found_inf == 0).to(torch.float32)
+        if found_inf is not None and not all(group.get("capturable", False) for group in self.param_groups):
+            raise ValueError(
+                "HAdam.step(found_inf=...) needs capturable=True: a host-side step "
+                "cannot skip without reading the flag on the host"
+            )
         work = self._gather()
         for group, bucket in work:  # a skipped step's gradients may hold inf/NaN; 0 keeps x_new finite
-            bucket["sanitize"] = ok is not None
-            if ok is not None and not _unbiased(group, bucket):  # (the unbiased path: in its float32 copy)
+            bucket["sanitize"] = found_inf is not None
+            if found_inf is not None and not _unbiased(group, bucket):  # (the unbiased path: in its float32 copy)
                 for grad in bucket["grads"]:
                     grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         capturable = all(group.get("capturable", False) for group, _ in work) if work else False
@@ -313,17 +311,19 @@ class HAdam(Optimizer):
         if not overflows:
             self.state_overflow = False
             return loss
-        overflow = torch.stack([flag.to(overflows[0].device) for flag in overflows]).any()
+        device = overflows[0].device
+        overflow = overflows[0] if len(overflows) == 1 else torch.stack([f.to(device) for f in overflows]).any()
+        take = None  # 0-dim bool: is the step applied (decided on the device)
         if capturable:
-            ok_device = (~overflow).to(torch.float32)
-            ok = ok_device if ok is None else ok * ok_device.to(ok.device)
+            take = ~overflow if found_inf is None else (found_inf.to(device) == 0) & ~overflow
             self.state_overflow = overflow
         else:
             self.state_overflow = bool(overflow)  # the host path reads its decisions anyway
             if self.state_overflow:
                 return loss
+        ok = None if take is None else take.to(torch.float32)  # 1.0 or 0.0: the blend weight
         for group, bucket in work:
-            self._apply(group, bucket, ok)
+            self._apply(group, bucket, ok, take)
         return loss
 
     def _gather(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -390,7 +390,9 @@ class HAdam(Optimizer):
         candidates = self._published_candidates(group, bucket)
         return ~all_finite_many([*candidates["exp_avg_root"], *candidates["denom"]])
 
-    def _apply(self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None) -> None:
+    def _apply(
+        self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None, take: torch.Tensor | None
+    ) -> None:
         params, states = bucket["params"], bucket["states"]
         steps = [s["step"] for s in states]
         if group.get("capturable", False):
@@ -402,7 +404,7 @@ class HAdam(Optimizer):
             for state in states:
                 state["step"] += 1
         if _unbiased(group, bucket):
-            self._fp32_apply(group, bucket, ok)
+            self._fp32_apply(group, bucket, take)
         else:
             self._published_apply(group, bucket, ok)
 
@@ -484,16 +486,27 @@ class HAdam(Optimizer):
                 param, state = bucket["params"][position], bucket["states"][position]
                 flats[position] = {
                     "grad": _flat(bucket["grads"][position], like=param),
-                    "param": _flat(param),
-                    "exp_avg": _flat(state["exp_avg"]),
-                    "exp_avg_root": _flat(state["exp_avg_root"]),
+                    **self._state_flats(param, state, pack.kahan),
                 }
-                if pack.kahan:
-                    flats[position]["kahan_comp"] = _flat(state["kahan_comp"])
             whole = length == flats[position]["param"].numel()  # a whole parameter: its flat view itself
             for name, flat in flats[position].items():
                 views[name].append(flat if whole else flat[start : start + length])
         return views
+
+    def _state_flats(self, param: torch.Tensor, state: dict[str, Any], kahan: bool) -> dict[str, torch.Tensor]:
+        """:func:`_flat` views of a parameter and its state tensors, made at the first step and
+        kept while those tensors are the same objects with the same storage and strides (a view
+        is a dispatched op, and a GPU step would otherwise make four per parameter each time;
+        a parameter given new storage or a state tensor replaced, e.g. by ``load_state_dict`` or
+        a change of memory format, gets new views)."""
+        names = ("param", "exp_avg", "exp_avg_root", "kahan_comp")[: 4 if kahan else 3]
+        tensors = (param, *(state[name] for name in names[1:]))
+        where = tuple((t.data_ptr(), t.storage_offset(), t.stride(), t.shape) for t in tensors)
+        cached = self._flat_views.get(id(param))
+        if cached is None or cached[1] != where or any(a is not b for a, b in zip(cached[0], tensors)):
+            cached = (tensors, where, {name: _flat(t) for name, t in zip(names, tensors)})
+            self._flat_views[id(param)] = cached
+        return cached[2]
 
     @staticmethod
     def _joined(views: list[torch.Tensor]) -> torch.Tensor:
@@ -560,7 +573,7 @@ class HAdam(Optimizer):
         """``mix_key(seed, index)`` per parameter: the part of each key that ``t`` does not change."""
         return torch.tensor([mix_key(self.seed, index) for index in key[1]], dtype=torch.int64, device=device)
 
-    def _fp32_apply(self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None) -> None:
+    def _fp32_apply(self, group: dict[str, Any], bucket: dict[str, Any], take: torch.Tensor | None) -> None:
         """One element's step in float32, written back once (RN for m and p, SR for s), a pack
         of parameters at a time."""
         beta1 = group["betas"][0]
@@ -569,7 +582,8 @@ class HAdam(Optimizer):
         dtype, device = params[0].dtype, params[0].device
         if torch.is_tensor(eps):
             eps = eps.to(device)
-        take = None if ok is None else ok.to(device) > 0
+        if take is not None:
+            take = take.to(device)
         tiny32 = torch.finfo(torch.float32).tiny
         streams = self._bucket_streams(group, bucket)
         cached = bucket.pop("fp32_pack", None)
@@ -581,12 +595,14 @@ class HAdam(Optimizer):
             else:
                 _, views, grad32, root32 = cached
             lengths = [length for _, _, length in pack.segments]
-            spread = self._spreader(pack, device)
+            # every element's segment (several segments only): one repeat_interleave a pack
+            segment = self._segment_index(pack, device) if len(pack.segments) > 1 else None
+            spread = self._spreader(pack, segment)
             root_correction = spread(streams["root_correction"])
             step_size = spread(streams["step_size"])
             # the stochastic-rounding streams: one per (parameter, t), indexed by element
             key, param_key = spread(streams["key"], as_key=True), spread(streams["param_key"], as_key=True)
-            counter = self._counter(bucket, pack, device)
+            counter = self._counter(bucket, pack, device, segment)
             avg16 = self._joined(views["exp_avg"])
             avg32 = avg16.float().lerp_(grad32, 1.0 - beta1)
             denom32 = (root32 / root_correction).add_(eps).clamp_min_(tiny32)
@@ -626,7 +642,7 @@ class HAdam(Optimizer):
             cache[(device, key)] = make(key, device)
         return cache[(device, key)]
 
-    def _spreader(self, pack: _Pack, device: torch.device) -> Callable[..., Any]:
+    def _spreader(self, pack: _Pack, segment: torch.Tensor | None) -> Callable[..., Any]:
         """``spread(values)``: a pack's per-segment value for each of its elements.
 
         ``values`` holds one entry per bucket parameter: a device vector (device step counts) or a
@@ -638,7 +654,7 @@ class HAdam(Optimizer):
         if len(pack.segments) == 1:
             return lambda values, as_key=False: values[first]
         last = pack.segments[-1][0]
-        segment = self._segment_index(pack, device)
+        device = segment.device
 
         def spread(values: torch.Tensor | list[Any], as_key: bool = False) -> Any:
             if not torch.is_tensor(values):
@@ -662,7 +678,9 @@ class HAdam(Optimizer):
         )
         return torch.repeat_interleave(lengths, output_size=pack.numel)
 
-    def _counter(self, bucket: dict[str, Any], pack: _Pack, device: torch.device) -> torch.Tensor:
+    def _counter(
+        self, bucket: dict[str, Any], pack: _Pack, device: torch.device, segment: torch.Tensor | None
+    ) -> torch.Tensor:
         """Every element's stochastic-rounding counter: its index within its own parameter in
         logical (row-major, NCHW) order, whatever the memory order the pack reads it in, so that
         the rounding -- and a run -- does not depend on the memory format (``layout.py``)."""
@@ -698,7 +716,7 @@ class HAdam(Optimizer):
 
         shift = self._constant(device, ("shifts", tuple(pack.segments)), shifts)
         counter = torch.arange(pack.numel, dtype=torch.int32, device=device)
-        counter.add_(shift.index_select(0, self._segment_index(pack, device)))
+        counter.add_(shift.index_select(0, segment))
         offset = 0
         for position, start, length in pack.segments:
             order = logical(position, start, length)

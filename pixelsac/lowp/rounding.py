@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .finite import finite_bits
+from .finite import finite_pattern
 
 __all__ = ["as_int32", "mix_key", "random_bits", "random_bits_at", "stochastic_round"]
 
@@ -55,8 +55,8 @@ def as_int32(value: int | torch.Tensor) -> int | torch.Tensor:
     if torch.is_tensor(value):
         if value.dtype == torch.int32:
             return value
-        value = value.to(torch.int64) & _MASK32
-        return torch.where(value >= 1 << 31, value - (1 << 32), value).to(torch.int32)
+        # bit 31 flipped, then subtracted: v - 2^32 for v >= 2^31, else v (v the low 32 bits)
+        return ((value.to(torch.int64) ^ (1 << 31)) & _MASK32).sub_(1 << 31).to(torch.int32)
     value &= _MASK32
     return value - (1 << 32) if value >= 1 << 31 else value
 
@@ -69,8 +69,10 @@ def mix_key(*parts: int | torch.Tensor, start: int | torch.Tensor | None = None)
     key: int | torch.Tensor = 0x2545F491 if start is None else start
     for part in parts:
         if torch.is_tensor(part):
-            part = part.to(torch.int64)
-        key = (key * 0x9E3779B1 + part + 0x7F4A7C15) & _MASK32
+            # part + key·C + C', one op for the first two (int64 arithmetic wraps alike)
+            key = part.to(torch.int64).add(key, alpha=0x9E3779B1).add_(0x7F4A7C15) & _MASK32
+        else:
+            key = (key * 0x9E3779B1 + (part + 0x7F4A7C15)) & _MASK32
         key = key ^ (key >> 15)
     return key
 
@@ -94,8 +96,8 @@ def random_bits_at(counter: torch.Tensor, key: int | torch.Tensor, bits: int) ->
     if torch.is_tensor(key):
         key = key.to(counter.device)
     # (counter·C + key) mod 2^32, computed in wrapping int32 arithmetic: the same low 32 bits
-    mixed = counter.to(torch.int32, copy=True)  # element indices: below 2^31
-    mixed.mul_(0x27D4EB2F).add_(as_int32(key))
+    mixed = counter.to(torch.int32).mul(0x27D4EB2F)  # element indices: below 2^31
+    mixed.add_(as_int32(key))
     hashed = _lowbias32_(_lowbias32_(mixed))
     return hashed.bitwise_right_shift_(8).bitwise_and_((1 << bits) - 1)
 
@@ -123,12 +125,14 @@ def stochastic_round(
     if dtype not in _DROPPED_BITS:
         raise ValueError(f"stochastic_round: no stochastic rounding into {dtype}")
     dropped = _DROPPED_BITS[dtype]
-    flat = x.reshape(-1)
+    flat = x if x.dim() == 1 else x.reshape(-1)  # (a view is an op too: none for a vector)
     if counter is None:
         noise = random_bits(flat.numel(), key, dropped, flat.device, offset)
     else:
         noise = random_bits_at(counter, key, dropped)
-    pattern = noise.add_(flat.view(torch.int32)).bitwise_and_(~((1 << dropped) - 1))
+    bits = flat.view(torch.int32)
+    pattern = noise.add_(bits).bitwise_and_(~((1 << dropped) - 1))
     # NaN and inf patterns must not carry into a different value; leave them as they are
-    pattern = torch.where(finite_bits(flat), pattern, flat.view(torch.int32))
-    return pattern.view(torch.float32).to(dtype).view(x.shape)
+    pattern = torch.where(finite_pattern(bits), pattern, bits)
+    rounded = pattern.view(torch.float32).to(dtype)
+    return rounded if x.dim() == 1 else rounded.view(x.shape)
