@@ -64,6 +64,8 @@ NULLABLE: dict[str, type] = {
     "lowp.derived_target": bool,
     "lowp.fp32_q_output": bool,
     "lowp.adaptive_target_scale": bool,
+    "lowp.headroom_growth": bool,
+    "lowp.growth_interval": int,
     "lowp.fp32_actor_loss": bool,
     "lowp.fp32_actor_features": bool,
     "env.action_repeat": int,

@@ -280,6 +280,7 @@ def _results(
         "stochastic_weights",
         "derived_target",
         "adaptive_target_scale",
+        "headroom_growth",
         "fp32_q_output",
         "fp32_actor_loss",
         "fp32_actor_features",

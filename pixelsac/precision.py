@@ -136,6 +136,7 @@ class PrecisionPolicy:
     fp32_accumulate: bool = False
     init_scale: float = 1e4
     growth_interval: int = 10_000
+    headroom_growth: bool = False
     adam_eps: float = 1e-8
     target_scale: float = 1e4
     sync_free: bool = False
@@ -174,6 +175,12 @@ class PrecisionPolicy:
         derived_target = cfg.lowp.get("derived_target")
         if derived_target is None:
             derived_target = low
+        headroom_growth = cfg.lowp.get("headroom_growth")
+        if headroom_growth is None:  # the paper's 10,000-step doubling left the full-size critic at S = 4.88
+            headroom_growth = mode == "fp16"
+        growth_interval = cfg.lowp.get("growth_interval")
+        if growth_interval is None:
+            growth_interval = 1000 if headroom_growth else 10_000
         adaptive_target_scale = cfg.lowp.get("adaptive_target_scale")
         if adaptive_target_scale is None:  # a fixed K stopped the full-size fp16 critic at |θ| > 6.55
             adaptive_target_scale = low
@@ -201,7 +208,8 @@ class PrecisionPolicy:
             device_type=device_type,
             fp32_accumulate=bool(fp32_accumulate) and low,
             init_scale=cfg.lowp.init_scale,
-            growth_interval=cfg.lowp.growth_interval,
+            growth_interval=int(growth_interval),
+            headroom_growth=bool(headroom_growth) and switches["loss_scaling"],
             adam_eps=cfg.lowp.adam_eps_scaled if switches["loss_scaling"] else cfg.agent.adam_eps,
             target_scale=cfg.lowp.target_scale,
             sync_free=bool(sync_free),
@@ -324,6 +332,7 @@ class PrecisionPolicy:
             return lowp.CompoundLossScaler(
                 init_scale=self.init_scale,
                 growth_interval=self.growth_interval,
+                headroom_growth=self.headroom_growth,
                 sync_free=self.sync_free and self.hadam,
             )
         if self.mode == "amp":
@@ -435,6 +444,8 @@ class PrecisionPolicy:
             on.append("derived_target")
         if self.adaptive_target_scale:
             on.append("adaptive_target_scale")
+        if self.headroom_growth:
+            on.append("headroom_growth")
         if self.fp32_q_output:
             on.append("fp32_q_output")
         if self.fp32_actor_loss:

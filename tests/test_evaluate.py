@@ -75,11 +75,12 @@ def test_cli_evaluates_fp16_run_on_cpu_with_agent_view_video(run16, tmp_path):
     results = json.loads((out_dir / "results.json").read_text())
     assert results["task"] == "cartpole_swingup" and results["precision"] == "fp16"
     assert results["device"] == "cpu"
-    # fp16's defaults: the six and the switches beyond them, except bf16's fp32 ones
+    # fp16's defaults: the six and the switches beyond them, except bf16's fp32 actor ones
     assert results["lowp"] == {
         **dict.fromkeys(["hadam", "loss_scaling", "kahan_gradients", "kahan_momentum", "softplus_fix"], True),
         **dict.fromkeys(["normal_fix", "unbiased_moments", "stochastic_weights", "derived_target"], True),
-        **dict.fromkeys(["fp32_q_output", "fp32_actor_loss", "fp32_actor_features"], False),
+        **dict.fromkeys(["adaptive_target_scale", "headroom_growth", "fp32_q_output"], True),
+        **dict.fromkeys(["fp32_actor_loss", "fp32_actor_features"], False),
     }
     assert results["checkpoint"].endswith("best.ckpt")  # a run directory means its best checkpoint
     assert results["episodes"] == 2 and len(results["returns"]) == 2

@@ -74,8 +74,9 @@ def test_replayed_updates_equal_eager_updates(precision):
         assert torch.equal(a, b), name
     assert graphed.skipped == eager.skipped and graphed.updates == eager.updates == 14
     assert graphed.loss_scales() == eager.loss_scales()
-    if precision.startswith("fp16"):  # growth_interval 3: the host-side counting after replays grew the scales
-        assert graphed.loss_scales()["critic"] > 1e4, graphed.loss_scales()
+    if precision.startswith("fp16"):  # growth_interval 3: the host-side counting after replays grew a scale
+        # (with lowp.headroom_growth only where the peaks leave room: here the actor's and temperature's)
+        assert max(graphed.loss_scales().values()) > 1e4, graphed.loss_scales()
         for name in ("critic", "actor", "alpha"):
             assert graphed.scalers[name].state_dict() == eager.scalers[name].state_dict()
     assert set(graphed.metrics) == set(eager.metrics)

@@ -243,3 +243,38 @@ def test_kahan_adam_state_is_rescaled_like_adam():
     assert torch.equal(state["exp_avg_sq"], before["state"]["exp_avg_sq"] * 0.25)
     assert torch.equal(state["kahan_comp"], before["state"]["kahan_comp"])  # parameter units
     assert torch.equal(param.detach(), before["param"]) and state["step"] == 1
+
+
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+def test_after_a_burst_of_overflows_headroom_growth_returns_the_scale_where_the_gradients_allow(sync_free):
+    """Eleven overflowing steps halve S from 1e4 to 4.88 (the full-size fp16 critic's burst). With
+    gradients of 1 afterwards, the paper's rule keeps S at 4.88 for 10,000 clean steps; headroom
+    growth restores it at the first check to the largest power of two that leaves room for
+    4·max|S·g| (16,376 / 4.88 -> 2^11: S = 1e4), and a bigger gradient (|g| = 100) lets it grow
+    only to 4·|S·g| <= 65,504 (S = 156.25). No step overflows on the way."""
+
+    def run(headroom: bool, magnitude: float, clean_steps: int) -> tuple[CompoundLossScaler, HAdam]:
+        param = torch.zeros(4, dtype=F16, requires_grad=True)
+        opt = HAdam([param], lr=1e-3, eps=1e-4, capturable=sync_free)
+        interval = 20 if headroom else 10_000  # the paper's interval for its rule
+        scaler = CompoundLossScaler(
+            init_scale=1e4, growth_interval=interval, headroom_growth=headroom, sync_free=sync_free
+        )
+        for _ in range(11):
+            param.grad = torch.full((4,), float("inf"), dtype=F16)
+            scaler.step(opt)
+        for step in range(clean_steps):
+            scale = float(scaler.scale)
+            param.grad = (torch.tensor([1.0, -0.5, 0.25, -1.0]) * magnitude * scale).to(F16)
+            assert bool(torch.isfinite(param.grad).all()), (step, scale)
+            scaler.step(opt)
+        return scaler, opt
+
+    published, _ = run(False, 1.0, 60)
+    assert float(published.scale) == pytest.approx(1e4 * 0.5**11) and published.skipped_steps == 11
+    grown, opt = run(True, 1.0, 60)
+    assert float(grown.scale) == pytest.approx(1e4) and grown.skipped_steps == 11
+    peak = float(opt.state[opt.param_groups[0]["params"][0]]["exp_avg_root"].float().abs().max())
+    assert peak < 65504 / 1.1  # the grown root moment keeps the growth check's margin
+    large, _ = run(True, 100.0, 60)
+    assert float(large.scale) == pytest.approx(1e4 * 0.5**11 * 2**5) and large.skipped_steps == 11

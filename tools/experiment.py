@@ -68,9 +68,15 @@ MODES: dict[str, list[str]] = {
         "lowp.unbiased_moments=false",
         "lowp.adaptive_target_scale=false",
         "lowp.fp32_q_output=false",
+        "lowp.headroom_growth=false",
     ],
     # today's fp16 before the full-size fixes: one K for the target copy and Q in fp16
-    "fp16-fixed_k": ["precision=fp16", "lowp.adaptive_target_scale=false", "lowp.fp32_q_output=false"],
+    "fp16-fixed_k": [
+        "precision=fp16",
+        "lowp.adaptive_target_scale=false",
+        "lowp.fp32_q_output=false",
+        "lowp.headroom_growth=false",
+    ],
     # the published five: none of the switches beyond the paper that bf16 turns on by default
     "bf16-six": [
         "precision=bf16",
