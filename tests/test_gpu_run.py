@@ -389,3 +389,48 @@ def test_install_takes_only_the_wheels_the_machine_lacks(tmp_path):
         (tmp_path / name).write_bytes(b"")
     assert [w.name for w in gpu_wheels.missing_wheels(tmp_path)] == ["no_such_project_here-1.0-py3-none-any.whl"]
     assert gpu_wheels.main(["--python-version", "twelve"]) == 2
+
+
+LEARN_SCRIPT = REPO / "tools" / "gpu_learn.sh"
+
+
+def test_the_learning_script_names_nothing_outside_the_repository_and_fits_ten_minutes():
+    text = LEARN_SCRIPT.read_text()
+    for outside in ("../shared", "/work/", "shared/tools", "device tool", "session"):
+        assert outside not in text, outside
+    defaults = {k: int(v) for k, v in re.findall(r"(\w+)=\$\{\1:-(\d+)\}", text)}
+    worst = defaults["T_SETUP"] + defaults["DURATION"] + defaults["STOP_S"] + defaults["FINAL_S"]
+    assert defaults["DURATION"] >= 480 and worst <= 590, defaults  # 8 minutes of learning in a 10-minute slot
+    assert f"at most {worst} s with the defaults" in " ".join(line.lstrip("# ") for line in text.splitlines())
+
+
+@pytest.mark.slow
+def test_the_learning_script_archives_each_mode_as_it_goes(tmp_path):
+    """On the CPU with the tiny agent: two modes side by side, stopped after their time; the
+    archive holds each run's metrics, config and log tail, the curves and the returns table."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    settings = dict(
+        DEVICE="cpu",
+        PYTHON=sys.executable,
+        WORK=str(work),
+        T_SETUP="300",  # imports take a while on a busy 2-core machine
+        DURATION="60",
+        PERIOD="15",
+        STOP_S="60",
+        FINAL_S="60",
+        MODES="fp32 fp16",
+        LEARN_ARGS="preset=tiny train.seed_steps=20 train.eval_every_frames=240 train.eval_episodes=1 "
+        "train.eval_in_worker=false train.num_threads=1 env.episode_frames=160",
+    )
+    result = subprocess.run(
+        ["bash", str(LEARN_SCRIPT), str(out)], env=cli_env(**settings), capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    with tarfile.open(out / "learn.tar.gz") as tar:
+        names = set(tar.getnames())
+    for mode in ("fp32", "fp16"):
+        assert {f"{mode}/metrics.csv", f"{mode}/config.yaml", f"{mode}.tail.log"} <= names, names
+    assert {"curves.png", "returns.md"} <= names, names
+    returns = (out / "returns.md").read_text()
+    assert re.search(r"\| fp16 \| 2\d\d: ", returns), returns  # an evaluation at 240 env frames
+    assert "lowp/target_peak" in returns
