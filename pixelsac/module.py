@@ -310,8 +310,9 @@ class SACModule(L.LightningModule):
         action = dist.rsample()
         log_prob = dist.log_prob(action).sum(-1, keepdim=True)
         q1, q2 = self.critic.heads(trunk_features, action, fp32=fp32)
-        actor_loss = (self.alpha.detach() * log_prob - torch.min(q1, q2)).mean()
-        alpha_loss = (self.alpha * (-log_prob - self.target_entropy).detach()).mean()
+        alpha = self.alpha  # one exp for both losses
+        actor_loss = (alpha.detach() * log_prob - torch.min(q1, q2)).mean()
+        alpha_loss = (alpha * (-log_prob - self.target_entropy).detach()).mean()
         return (
             actor_loss,
             alpha_loss,
@@ -339,11 +340,10 @@ class SACModule(L.LightningModule):
             loss, optimizer, self.scalers.get(name), backward, self._reduce_found_inf(), graph_safe=graph_safe
         )
         if isinstance(taken, torch.Tensor):
-            skipped = (~taken).to(torch.int64)
             if name in self._skipped_device:
-                self._skipped_device[name].add_(skipped)
+                self._skipped_device[name].add_(~taken)  # the bool adds as 0/1: no cast of its own
             else:
-                self._skipped_device[name] = skipped.clone()
+                self._skipped_device[name] = (~taken).to(torch.int64)
         elif not taken:
             self._skipped_host[name] += 1
 

@@ -278,3 +278,42 @@ def test_after_a_burst_of_overflows_headroom_growth_returns_the_scale_where_the_
     assert peak < 65504 / 1.1  # the grown root moment keeps the growth check's margin
     large, _ = run(True, 100.0, 60)
     assert float(large.scale) == pytest.approx(1e4 * 0.5**11 * 2**5) and large.skipped_steps == 11
+
+
+@pytest.mark.parametrize("dtype", [F16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("margin", [1.1 * 0.9005, 1.0, 1.5, 2.0])
+def test_the_overflow_flag_read_from_the_peaks_decides_as_the_elementwise_check(dtype, margin):
+    """One pass (each gradient's peak, then ``margin·max|g|``) flags exactly the gradient sets
+    whose ``margin·g`` the elementwise check (:meth:`found_inf`) finds non-finite: values at and
+    around the largest one the margin leaves finite, infinities of either sign, NaN, zeros."""
+    largest = torch.finfo(dtype).max
+    near = [largest / margin * f for f in (0.999, 1.0, 1.001)] + [largest, largest * 0.5001]
+    specials = [float("inf"), float("-inf"), float("nan"), 0.0]
+    gen = torch.Generator().manual_seed(0)
+    cases, decided = 0, set()
+    for value in near + specials:
+        for sign in (1.0, -1.0):
+            params = [
+                torch.zeros(5, dtype=dtype, requires_grad=True),
+                torch.zeros(2, 3, dtype=dtype, requires_grad=True),
+            ]
+            params[0].grad = (torch.randn(5, generator=gen) * 100).to(dtype)
+            params[1].grad = torch.zeros(2, 3, dtype=dtype)
+            params[1].grad[1, 2] = torch.tensor(sign * value).to(dtype)
+            scaler = CompoundLossScaler(overflow_margin=margin)
+            opt = HAdam(params, lr=1e-3)
+            found, peaks, peak = scaler._check_gradients(opt)
+            assert peak is not None and peaks.shape == (2,)
+            assert torch.equal(found, scaler.found_inf(opt)), (value, sign)
+            cases += 1
+            decided.add(float(found))
+    assert cases == 2 * len(near + specials) and decided == {0.0, 1.0}
+
+
+def test_gradients_of_two_dtypes_are_checked_elementwise():
+    params = [torch.zeros(3, dtype=F16, requires_grad=True), torch.zeros(3, dtype=torch.float32, requires_grad=True)]
+    params[0].grad = torch.ones(3, dtype=F16)
+    params[1].grad = torch.tensor([1.0, 7e4, 0.0])  # finite in fp32, past fp16's range
+    scaler = CompoundLossScaler()
+    found, _, peak = scaler._check_gradients(torch.optim.Adam(params, lr=1e-3))
+    assert peak is None and float(found) == 0.0

@@ -232,6 +232,7 @@ class CompoundLossScaler:
             "taken_steps": 0,
         }
         self._device_counts: dict[str, torch.Tensor] | None = None
+        self._one: torch.Tensor | None = None  # 1.0 on the device, with the counts
         self._steps_until_growth_check = 0
         # device records for the logs: the largest peak |S·g| of the taken steps since the last
         # read, and every gradient's peak at the last skipped step (a non-finite one names the
@@ -290,6 +291,7 @@ class CompoundLossScaler:
                     for k in ("clean_steps", "skipped_steps", "taken_steps")
                 },
             }
+            self._one = torch.ones((), dtype=torch.float32, device=device)  # a constant, made once
             self._steps_until_growth_check = self.growth_interval + 1 - int(counts["clean_steps"])
         return self._device_counts
 
@@ -325,14 +327,13 @@ class CompoundLossScaler:
         Returns:
             True when the optimizer step was taken.
         """
-        found_inf = self.found_inf(optimizer)
+        found_inf, peaks, peak = self._check_gradients(optimizer)
         if reduce_found_inf is not None:
             reduced = reduce_found_inf(found_inf)
             if reduced is not None:
                 found_inf = reduced
-        peaks = self._gradient_peaks(optimizer, found_inf.device)
         if self.sync_free:
-            taken = self._step_on_device(optimizer, found_inf, peaks)
+            taken = self._step_on_device(optimizer, found_inf, peaks, peak)
             self.count_step(optimizer)
             return taken
         if bool(found_inf.item() > 0):
@@ -354,7 +355,7 @@ class CompoundLossScaler:
             self.clean_steps = 0
             self.skipped_steps += 1
             return False
-        self._record(peaks, skipped=False)
+        self._record(peaks, skipped=False, peak=peak)
         self.taken_steps += 1
         self.clean_steps += 1
         if self.clean_steps > self.growth_interval:
@@ -376,12 +377,12 @@ class CompoundLossScaler:
         captured in a CUDA graph. Call :meth:`count_step` on the host after each run of it."""
         if not self.sync_free:
             raise ValueError("step_on_device needs a sync_free=True scaler")
-        found_inf = self.found_inf(optimizer)
+        found_inf, peaks, peak = self._check_gradients(optimizer)
         if reduce_found_inf is not None:
             reduced = reduce_found_inf(found_inf)
             if reduced is not None:
                 found_inf = reduced
-        return self._step_on_device(optimizer, found_inf, self._gradient_peaks(optimizer, found_inf.device))
+        return self._step_on_device(optimizer, found_inf, peaks, peak)
 
     def count_step(self, optimizer: Optimizer) -> None:
         """The host half of a sync-free step: count it, and look at growth when it may be due."""
@@ -390,22 +391,43 @@ class CompoundLossScaler:
             self._growth_check(optimizer)
 
     def _step_on_device(
-        self, optimizer: Optimizer, found_inf: torch.Tensor, peaks: torch.Tensor | None = None
+        self,
+        optimizer: Optimizer,
+        found_inf: torch.Tensor,
+        peaks: torch.Tensor | None = None,
+        peak: torch.Tensor | None = None,
     ) -> torch.Tensor:
         counts = self._device_state(found_inf.device)
         optimizer.step(found_inf=found_inf)
         skipped = (found_inf > 0) | _state_overflow_flag(optimizer, found_inf.device)
-        self._record(peaks, skipped)
-        factor = torch.where(skipped, self.backoff_factor, 1.0).to(torch.float32)
+        self._record(peaks, skipped, peak)
+        factor = self._one.masked_fill(skipped, self.backoff_factor)  # 1, or the backoff (float32)
         if self._interval_peak is not None:  # in the units of the (possibly halved) scale
             self._interval_peak.mul_(factor)
         counts["scale"].mul_(factor)
         optimizer.rescale_state_(factor, eps_floor=self.eps_floor)
         taken = ~skipped
-        counts["skipped_steps"].add_(skipped.to(torch.int64))
-        counts["taken_steps"].add_(taken.to(torch.int64))
-        counts["clean_steps"].add_(1).mul_(taken.to(torch.int64))
+        # a bool adds and multiplies as 0/1 into the int64 counts: no cast of its own
+        counts["skipped_steps"].add_(skipped)
+        counts["taken_steps"].add_(taken)
+        counts["clean_steps"].add_(1).mul_(taken)
         return taken
+
+    @torch.no_grad()
+    def _check_gradients(self, optimizer: Optimizer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`found_inf`, each gradient's peak ``max|S·g|`` (:meth:`_gradient_peaks`) and the
+        largest of them, from one pass over the gradients where they share a dtype and a device:
+        rounding ``margin·g`` into the dtype is monotone in ``|g|`` (``finite.py``), so it overflows
+        somewhere exactly when ``margin·max|g|`` does, and a NaN anywhere is a NaN peak (the
+        foreach norm and ``max`` carry it). Elsewhere :meth:`found_inf`'s own check, and no peak."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads and self.overflow_margin > 0 and len({(g.device, g.dtype) for g in grads}) == 1:
+            peaks = self._gradient_peaks(optimizer, grads[0].device)
+            peak = peaks.max()
+            fits = peak * self.overflow_margin <= torch.finfo(peaks.dtype).max  # False for inf and NaN
+            return (~fits).to(torch.float32), peaks, peak
+        found_inf = self.found_inf(optimizer)
+        return found_inf, self._gradient_peaks(optimizer, found_inf.device), None
 
     # --- records for the logs (device tensors; reading them is the caller's host sync) ----------
     @torch.no_grad()
@@ -423,14 +445,17 @@ class CompoundLossScaler:
                 self._interval_peak = torch.zeros((), dtype=peaks.dtype, device=device)
         return peaks
 
-    def _record(self, peaks: torch.Tensor | None, skipped: bool | torch.Tensor) -> None:
-        """Keep the step's peaks when it was skipped, its largest peak when it was taken (a bool
-        decided on the host, or a 0-dim device tensor: no host read)."""
+    def _record(
+        self, peaks: torch.Tensor | None, skipped: bool | torch.Tensor, peak: torch.Tensor | None = None
+    ) -> None:
+        """Keep the step's peaks when it was skipped, its largest peak (``peak``: ``peaks.max()``
+        if already taken) when it was taken (a bool decided on the host, or a 0-dim device
+        tensor: no host read)."""
         if peaks is None or self._grad_peak is None or peaks.shape != self._skipped_peaks.shape:
             return
         if torch.is_tensor(skipped):
-            self._skipped_peaks.copy_(torch.where(skipped, peaks, self._skipped_peaks))
-            step_peak = torch.where(skipped, 0.0, peaks.max())
+            torch.where(skipped, peaks, self._skipped_peaks, out=self._skipped_peaks)
+            step_peak = (peaks.max() if peak is None else peak).masked_fill(skipped, 0.0)
             self._skipped_any = True  # maybe: the record says (all zeros until a skip)
         elif skipped:
             self._skipped_peaks.copy_(peaks)
@@ -439,7 +464,7 @@ class CompoundLossScaler:
                 self._interval_peak.mul_(self.backoff_factor)
             return
         else:
-            step_peak = peaks.max()
+            step_peak = peaks.max() if peak is None else peak
         torch.maximum(self._grad_peak, step_peak, out=self._grad_peak)
         if self._interval_peak is not None:
             torch.maximum(self._interval_peak, step_peak, out=self._interval_peak)
