@@ -16,7 +16,10 @@ resident-set peak above its baseline), on a CPU also the most tensor bytes alive
 first (full) update, the bytes autograd saves for backward in that update (counted with
 ``saved_tensors_hooks``: exact, the same on any device), and the state (parameters + optimizer
 state + target copies, in total and by group) -- each with its ratio to fp32 at the same batch
-size; also the replay buffer's bytes per transition. Results go to ``bench.out`` as bench.csv,
+size; also the replay buffer's bytes per transition; and what one update dispatches in the form a
+GPU runs it -- aten ops, dtype casts and host reads per full and per critic-only update, counted
+on the cell's device in about a second (``pixelsac/perf/opcount.py``, docs/performance.md).
+Results go to ``bench.out`` as bench.csv,
 bench.md (which says what each memory figure counts), bench.json and bench.png.
 
 Time: a CPU cell starts in ~10 s and then takes (warm-up + updates) x the update time. On the

@@ -136,6 +136,15 @@ def test_sync_free_is_measured_on_and_off(tmp_path):
         assert on[mode]["base_variant"] == "host_sync"
     text = (out / "bench.md").read_text()
     assert "batch sources pinned and device: skipped on a CPU" in text and "vs switches off" in text
+    # what each update dispatches, in the GPU's form: the same ops on and off, host reads only off
+    for r in rows:
+        assert int(r["ops_full"]) > int(r["ops_critic"]) > 0 and int(r["casts_full"]) >= int(r["casts_critic"]) > 0
+    for mode in ("fp32", "fp16"):
+        assert on[mode]["host_reads_full"] == on[mode]["host_reads_critic"] == "0"
+    assert int(off["fp16"]["host_reads_full"]) >= 3 and int(off["fp16"]["host_reads_critic"]) >= 1
+    assert float(on["fp32"]["ops_vs_fp32"]) == 1.0
+    assert float(on["fp16"]["ops_vs_fp32"]) == pytest.approx(int(on["fp16"]["ops_full"]) / int(on["fp32"]["ops_full"]))
+    assert "What one update dispatches" in text and "| aten ops | ops × fp32 (full) | casts | host reads |" in text
 
 
 def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):

@@ -1,12 +1,15 @@
-"""The op budget of a sync-free update on a GPU, counted on the CPU (HAdam's docstring).
+"""The op, cast and host-read budgets of an update in the form a GPU runs it, counted on the CPU.
 
 A GPU pays a kernel launch (5-10 µs of host time) per op, so an update that dispatches thousands
-of small ops is slower than fp32 before any arithmetic. Counted here with a TorchDispatchMode
-(``dispatch_count.py``: every aten op the Python code issues, views included, a foreach op
-once) in the GPU's settings: hAdam on whole buckets (``chunk_numel=None``, what
-``HAdam.chunk_for("cuda")`` picks), the finiteness checks in their foreach form, no
-tensor-core emulation. The networks are DrQ's at a small image size: the op count depends on how
-many parameter tensors there are, not on their sizes.
+of small ops is slower than fp32 before any arithmetic; on the first H200 run (2026-12-04, main
+51051ef) every mode took ~8 ms at batch 128 even as CUDA graphs, ~1,400 small kernels. The counts
+are the benchmark's columns (:func:`pixelsac.perf.opcount.count_update_ops`: every aten op the
+Python code issues, views included, a foreach op once; dtype casts; host reads) in the GPU's
+settings: sync-free, hAdam on whole buckets (``HAdam.chunk_for("cuda")``), the finiteness checks
+in their foreach form, kornia's shift, no tensor-core emulation. The agent is DrQ's at small
+sizes: the counts depend on how many layers and parameter tensors there are, not on their sizes
+(test_opcount.py). The modes are the benchmark's (``pixelsac.benchmark.plan.MODES``); the
+figures are docs/performance.md's.
 """
 
 from __future__ import annotations
@@ -14,76 +17,86 @@ from __future__ import annotations
 import pytest
 import torch
 from dispatch_count import DispatchCount
-from test_module import fit, make_batch, make_module, mode
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-import pixelsac.lowp.finite as finite
+from pixelsac.benchmark.plan import MODES
+from pixelsac.config import load_config, to_plain
 from pixelsac.lowp import HAdam
+from pixelsac.perf.opcount import count_update_ops
 
-# a whole fp16 update; a critic-only one. The full-size fixes cost ~80 of them (the adaptive
-# target scale ~25, Q in fp32 ~30, the loss scalers' overflow records ~7 a step)
-FULL_BUDGET, CRITIC_BUDGET = 1_550, 700
-FP32_FULL = 612  # fp32's full update, for scale (fused torch Adam: one op per step)
+OBS_SHAPE, ACTION_DIM = (9, 84, 84), 1  # cartpole's: the counts shrink the image themselves
+
+#: (aten ops, dtype casts) per full update (critic, actor, temperature, target) and critic-only
+#: update, each the measured figure at most (docs/performance.md); no mode reads the host.
+BUDGETS = {
+    "fp32": {"full": (808, 8), "critic-only": (502, 8)},
+    "fp16": {"full": (1481, 93), "critic-only": (755, 45)},
+    "fp16-six": {"full": (1109, 33), "critic-only": (612, 18)},
+    "bf16": {"full": (1380, 143), "critic-only": (699, 47)},
+}
 
 
 def step_budget(n_params: int) -> int:
     """hAdam's budget for one sync-free step of a bucket of ``n_params`` parameters."""
-    return 180 + 6 * n_params
+    return 145 + 5 * n_params // 2
 
 
-def count_update_ops(precision: str, chunk_numel: int | None, monkeypatch) -> tuple[list, list]:
-    """Ops of each update (after the first of its kind, which also creates optimizer state) and
-    of each hAdam step: ``[(kind, ops)]``, ``[(parameters, ops)]``."""
-    monkeypatch.setattr(finite, "foreach_by_default", lambda device: True)  # as on a GPU
-    torch.manual_seed(0)
-    module = make_module(
-        *mode(precision),
-        "perf.sync_free=true",
-        "perf.aug_backend=index",
-        "lowp.fp32_accumulate=false",
-        "lowp.growth_interval=1000",
-        "train.log_every_updates=1000",
-    )
-    updates, steps = [], []
-    update = module.update
+def count(mode: str, *overrides: str) -> tuple[dict, list]:
+    """The benchmark's counts for ``mode`` and the ops of each hAdam step after the first cycle:
+    ``[(parameters, ops)]``."""
+    steps, open_counts = [], []
 
-    def counted(batch, with_actor, with_target, graph_safe=False):
-        for optimizer in module.optimizers():
-            optimizer = getattr(optimizer, "optimizer", optimizer)
-            if isinstance(optimizer, HAdam):
-                optimizer.chunk_numel = chunk_numel
-        with DispatchCount() as count:
-            metrics = update(batch, with_actor, with_target, graph_safe)
-        updates.append(("full" if with_actor else "critic-only", count.total))
-        return metrics
+    def before(optimizer, args, kwargs):  # torch's step hooks, not a patched HAdam.step: torch
+        if isinstance(optimizer, HAdam):  # wraps a class's step once per patch, so a patch could
+            open_counts.append(DispatchCount().__enter__())  # count its profiling ops twice
 
-    hadam_step = HAdam.step
+    def after(optimizer, args, kwargs):
+        if isinstance(optimizer, HAdam):
+            count = open_counts.pop()
+            count.__exit__(None, None, None)
+            params = sum(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+            steps.append((params, count.total))
 
-    def counted_step(self, *args, **kwargs):
-        with DispatchCount() as count:
-            result = hadam_step(self, *args, **kwargs)
-        steps.append((sum(p.grad is not None for g in self.param_groups for p in g["params"]), count.total))
-        return result
-
-    module.update = counted
-    monkeypatch.setattr(HAdam, "step", counted_step)
-    fit(module, [make_batch(seed=i) for i in range(4)])
-    return updates[2:], steps[4:]  # updates 0 and 1 made the state of each kind
+    hooks = [register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)]
+    try:
+        cfg = load_config([*MODES[mode].overrides, *overrides])
+        counts = count_update_ops(to_plain(cfg), OBS_SHAPE, ACTION_DIM)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts, steps[4:]  # the first cycle (a full and a critic-only update) made the state
 
 
-@pytest.mark.parametrize("precision", ["fp16", "fp16-six", "bf16"])
-def test_a_gpu_sized_update_stays_within_its_op_budget(precision, monkeypatch):
-    updates, steps = count_update_ops(precision, None, monkeypatch)
-    budget = {"full": FULL_BUDGET, "critic-only": CRITIC_BUDGET}
-    assert {kind for kind, _ in updates} == {"full", "critic-only"}
-    assert all(ops <= budget[kind] for kind, ops in updates), updates
-    assert steps and all(ops <= step_budget(n) for n, ops in steps), steps
-    print(f"{precision}: {updates}, hAdam steps (parameters, ops) {steps}; fp32 full update {FP32_FULL}")
+@pytest.mark.parametrize("mode", list(BUDGETS))
+def test_an_update_stays_within_its_op_cast_and_host_read_budget(mode):
+    counts, steps = count(mode)
+    assert set(counts) == {"full", "critic-only"}
+    for kind, (ops, casts) in BUDGETS[mode].items():
+        assert counts[kind].ops <= ops and counts[kind].casts <= casts, (mode, kind, counts[kind])
+        assert counts[kind].host_reads == 0, (mode, kind, counts[kind])
+    assert all(ops <= step_budget(n) for n, ops in steps), steps
+    assert bool(steps) == (mode != "fp32")
+    print(f"{mode}: {counts}, hAdam steps (parameters, ops) {steps}")
+
+
+def test_fp16_dispatches_at_most_twice_fp32s_ops():
+    """Where the budgets stand against fp32: the goal is 1.25x (issue 36); the rest is hAdam's
+    per-element float32 step and its stochastic rounding, a few dozen ops each (docs/performance.md)."""
+    for mode in ("fp16", "fp16-six", "bf16"):
+        assert BUDGETS[mode]["full"][0] <= 2 * BUDGETS["fp32"]["full"][0]
 
 
 def test_cpu_sized_chunks_would_break_the_budget(monkeypatch):
     """The budget can fail: chunks far smaller than the parameters (as 2^18 is for DrQ's 84×84
     critic, whose trunk alone has 2M weights) cost ~30 ops each."""
-    updates, steps = count_update_ops("fp16", 64, monkeypatch)
-    full = [ops for kind, ops in updates if kind == "full"]
-    assert full and min(full) > 3 * FULL_BUDGET, updates
+    monkeypatch.setattr(HAdam, "chunk_for", staticmethod(lambda device_type: 64))
+    counts, steps = count("fp16")
+    assert counts["full"].ops > 3 * BUDGETS["fp16"]["full"][0], counts
     assert any(ops > step_budget(n) for n, ops in steps), steps
+
+
+def test_a_host_synchronised_update_breaks_the_host_read_budget():
+    """The read budget can fail: fp16 with its decisions on the host reads every step's flags."""
+    counts, _ = count("fp16", "perf.sync_free=false")
+    assert counts["full"].host_reads >= 3 and counts["critic-only"].host_reads >= 1, counts
+    assert torch.get_default_dtype() == torch.float32

@@ -116,8 +116,25 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
         "finite_at_end": timed.finite_at_end,
         **{f"skipped_{k}": v for k, v in timed.skipped.items()},
         **{f"loss_scale_{k}": v for k, v in timed.loss_scales.items()},
+        **_dispatch_counts(cfg, spec),
         "status": "ok",
     }
+    return row
+
+
+def _dispatch_counts(cfg: Any, spec: CellSpec) -> dict[str, Any]:
+    """The cell's update counted in the GPU's form (:mod:`pixelsac.perf.opcount`): aten ops, dtype
+    casts and host reads per full and per critic-only update (None where a kind never ran)."""
+    from pixelsac.perf.opcount import count_update_ops
+
+    counts = count_update_ops(to_plain(cfg), tuple(spec.obs_shape), spec.action_dim, device=spec.device)
+    row: dict[str, Any] = {}
+    for kind, suffix in (("full", "full"), ("critic-only", "critic")):
+        each = counts.get(kind)
+        row[f"ops_{suffix}"] = each.ops if each else None
+        row[f"casts_{suffix}"] = each.casts if each else None
+        row[f"host_reads_{suffix}"] = each.host_reads if each else None
+        row[f"casts_by_dtypes_{suffix}"] = each.casts_by_dtypes if each else None
     return row
 
 
@@ -136,6 +153,11 @@ def cell_main(spec_json: str) -> int:
         row["rss_peak_bytes"] = peak
     print(_CELL_MARK + json.dumps(row), flush=True)
     return 0
+
+
+def _count(row: dict[str, Any], key: str) -> str:
+    full, critic = row.get(f"{key}_full"), row.get(f"{key}_critic")
+    return f"{'n/a' if full is None else format(full, ',d')} / {'n/a' if critic is None else format(critic, ',d')}"
 
 
 def apply_threads(overrides: list[str]) -> None:
@@ -199,7 +221,9 @@ def run_plan(plan: Plan) -> list[dict[str, Any]]:
             print(
                 f"{label}: {row['ms_mean']:,.2f} ± {row['ms_std']:,.2f} ms/update ({row['compute']}), "
                 f"peak {_mib(row['peak_mem_bytes'])} MiB, saved for backward {_mib(row.get('saved_bytes'))} MiB, "
-                f"state {_mib(row['state_bytes'])} MiB{flag}",
+                f"state {_mib(row['state_bytes'])} MiB, {_count(row, 'ops')} aten ops "
+                f"({_count(row, 'casts')} casts, {_count(row, 'host_reads')} host reads) per full / critic-only "
+                f"update{flag}",
                 flush=True,
             )
         else:

@@ -47,6 +47,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["state_groups_vs_fp32"] = group_ratios(row.get("state_groups"), fp32.get("state_groups")) if ok else None
         same_kind = ok and fp32["peak_mem_kind"] == row["peak_mem_kind"]
         row["peak_vs_fp32"] = ratio(row["peak_mem_bytes"], fp32["peak_mem_bytes"]) if same_kind else None
+        row["ops_vs_fp32"] = ratio(row.get("ops_full"), fp32.get("ops_full")) if ok else None
     return rows
 
 
@@ -91,6 +92,13 @@ CSV_COLUMNS = (
     "loss_scale_critic",
     "loss_scale_actor",
     "loss_scale_alpha",
+    "ops_full",
+    "ops_critic",
+    "ops_vs_fp32",
+    "casts_full",
+    "casts_critic",
+    "host_reads_full",
+    "host_reads_critic",
     "status",
 )
 
@@ -162,6 +170,33 @@ def _group_table(rows: list[dict[str, Any]]) -> list[str]:
                 x = ((r.get("state_groups_vs_fp32") or {}).get(kind) or {}).get(name)
                 cells.append("-" if nbytes is None else _mib(nbytes) + ("" if x is None else f" ({x:.2f}×)"))
             lines.append(f"| {kind} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _dispatch_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Aten ops, dtype casts and host reads per update, each row's update in the GPU's form."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("ops_full") is not None]
+    if not ok:
+        return []
+
+    def pair(r: dict[str, Any], key: str) -> str:
+        return f"{_fmt(r.get(key + '_full'), ',d')} / {_fmt(r.get(key + '_critic'), ',d')}"
+
+    lines = [
+        "What one update dispatches, in the form a GPU runs it (counted on the cell's device, eager, at small "
+        "sizes, which change no count; sync-free unless the cell says host_sync, no CPU emulation, CUDA's "
+        "default shift; pixelsac/perf/opcount.py): aten ops (a GPU launches about one kernel per op, views "
+        "excepted), dtype casts (ops that only convert), host reads (device-to-host synchronisations); full "
+        "update (critic, actor, temperature, target) / critic-only:",
+        "",
+        "| mode | variant | batch | aten ops | ops × fp32 (full) | casts | host reads |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in ok:
+        lines.append(
+            f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | {pair(r, 'ops')} | "
+            f"{_fmt(r.get('ops_vs_fp32'), '.2f')} | {pair(r, 'casts')} | {pair(r, 'host_reads')} |"
+        )
     return lines
 
 
@@ -247,7 +282,7 @@ def markdown(
         "fp32 copies for backward; same values).",
     ]
     lines += ["", "Which memory figure is which:", *(f"- **{name}**: {text}" for name, text in MEMORY_FIGURES.items())]
-    for extra in (_group_table(rows), _interleaved_table(interleaved or [])):
+    for extra in (_dispatch_table(rows), _group_table(rows), _interleaved_table(interleaved or [])):
         if extra:
             lines += ["", *extra]
     replay = plan.replay

@@ -23,9 +23,14 @@ NaN -- a NaN survives every sum, so no max-like reduction has to propagate it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
-__all__ = ["all_finite", "all_finite_many", "finite_bits", "finite_pattern"]
+__all__ = ["all_finite", "all_finite_many", "finite_bits", "finite_pattern", "foreach_checks"]
+
+_forced_form: list[bool] = []  # foreach_checks' setting, innermost last
 
 
 def all_finite(tensor: torch.Tensor, factor: float | None = None) -> torch.Tensor:
@@ -45,8 +50,23 @@ def all_finite(tensor: torch.Tensor, factor: float | None = None) -> torch.Tenso
 def foreach_by_default(device: torch.device) -> bool:
     """Whether :func:`all_finite_many` takes the foreach form unless told: off the CPU, where a
     launch per tensor costs more than the passes (on a CPU the foreach form took 70-90 ms
-    against 4-7 ms per tensor for the DrQ critic's 4.2M fp16 gradients, one thread)."""
+    against 4-7 ms per tensor for the DrQ critic's 4.2M fp16 gradients, one thread), unless
+    :func:`foreach_checks` says otherwise."""
+    if _forced_form:
+        return _forced_form[-1]
     return device.type != "cpu"
+
+
+@contextlib.contextmanager
+def foreach_checks(on: bool = True) -> Iterator[None]:
+    """Within it, :func:`all_finite_many` takes the foreach form (``on``) or the per-tensor one on
+    every device: to count on a CPU the ops a GPU's checks dispatch (``pixelsac.perf.opcount``).
+    The answer is the same either way."""
+    _forced_form.append(bool(on))
+    try:
+        yield
+    finally:
+        _forced_form.pop()
 
 
 def all_finite_many(

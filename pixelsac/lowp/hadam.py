@@ -197,12 +197,14 @@ class HAdam(Optimizer):
             launches, so whole buckets.
 
     Op budget (what a GPU pays in launches): a sync-free step of one bucket with
-    ``chunk_numel=None`` dispatches at most ``180 + 6·n`` aten ops for ``n`` parameters (views
+    ``chunk_numel=None`` dispatches at most ``145 + 2.5·n`` aten ops for ``n`` parameters (views
     included, a foreach op counted once; bias corrections and rounding keys are vectors over the
-    bucket, the per-element spreads gathers) -- DrQ's critic 306 at 84×84, actor 222,
-    ``log_alpha`` 170 -- and a whole fp16 update (critic, actor and temperature, forward and
-    backward) at most 1,500 (1,402 measured), against fp32's 612. At 2^18-element chunks the same
-    update at 84×84 dispatches 6,076 (~30 ops a chunk), which is why a GPU takes whole buckets.
+    bucket, the per-element spreads gathers, the flat views of parameters and state kept from step
+    to step) -- DrQ's critic 191, actor 165, ``log_alpha`` 145 in fp16 -- and a whole fp16
+    update (critic, actor, temperature and target, forward and backward) 1,469, against fp32's
+    808, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
+    2^18-element chunks the same update at 84×84 dispatches 5,415 (~30 ops a chunk), which is
+    why a GPU takes whole buckets.
 
     Two numerical guards beyond the formulas: the denominators ``M + ε`` and ``denom`` are
     floored at the dtype's smallest positive number. They only act when the value is exactly
@@ -662,7 +664,8 @@ class HAdam(Optimizer):
                     return values[first]  # a host pack shares its step: one number for all
                 values = torch.tensor([as_int32(k) for k in values[first : last + 1]], dtype=torch.int32, device=device)
             else:
-                values = values[first : last + 1]
+                if first > 0 or last + 1 < len(values):  # (a slice is an op too: none for the whole bucket)
+                    values = values[first : last + 1]
                 if as_key:
                     values = as_int32(values)
             return values.index_select(0, segment)
@@ -700,7 +703,7 @@ class HAdam(Optimizer):
                     .reshape(-1)
                 ),
             )
-            return order[start : start + length]
+            return order if length == order.numel() else order[start : start + length]
 
         if len(pack.segments) == 1:
             position, start, length = pack.segments[0]

@@ -7,6 +7,10 @@ One job per file:
   :func:`state_groups`, and the :class:`UpdateTimer` callback that times each update.
 * :mod:`pixelsac.perf.calibration` -- :func:`time_updates`: a fresh agent's real update step
   timed on one batch (the start-up fp32 reference and ``python -m pixelsac.bench``).
+* :mod:`pixelsac.perf.dispatch` -- :class:`DispatchCount`: the aten ops, dtype casts and host
+  reads that reach torch's dispatcher.
+* :mod:`pixelsac.perf.opcount` -- :func:`count_update_ops`: an update counted in the form a GPU
+  runs it, on any device (the benchmark's op, cast and host-read columns).
 * :mod:`pixelsac.perf.tracker` -- :class:`PerfTracker`, the run's callback: throughput, ms and
   memory per update against the fp32 reference, in the logs and the summary.
 * :mod:`pixelsac.perf.summary` -- the end-of-run summary: plain data, table, JSON, markdown.
@@ -25,6 +29,7 @@ from pixelsac.perf.calibration import (
     synthetic_batch,
     time_updates,
 )
+from pixelsac.perf.dispatch import DispatchCount
 from pixelsac.perf.meters import (
     MIB,
     PeakMemory,
@@ -42,6 +47,7 @@ from pixelsac.perf.meters import (
     speedup,
     state_groups,
 )
+from pixelsac.perf.opcount import UpdateCounts, count_update_ops
 from pixelsac.perf.summary import (
     MEMORY_FIGURES,
     build_summary,
@@ -53,6 +59,7 @@ from pixelsac.perf.tracker import PerfTracker
 
 __all__ = [
     "BATCH_SOURCES",
+    "DispatchCount",
     "EMULATION_CHOICES",
     "EMULATION_FORMS",
     "MEMORY_FIGURES",
@@ -64,10 +71,12 @@ __all__ = [
     "SavedTensorMeter",
     "TensorPeakMeter",
     "TimedUpdates",
+    "UpdateCounts",
     "UpdateClock",
     "UpdateTimer",
     "batch_source_of",
     "build_summary",
+    "count_update_ops",
     "format_summary",
     "fp32_reference_config",
     "group_ratios",

@@ -1,0 +1,79 @@
+"""The benchmark's dispatch counts (pixelsac/perf/dispatch.py, pixelsac/perf/opcount.py): what a
+cast is, the GPU's form of the counted update, and counts that do not depend on sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pixelsac.perf.opcount as opcount
+from pixelsac.benchmark.plan import MODES
+from pixelsac.config import load_config, to_plain
+from pixelsac.perf.dispatch import DispatchCount
+
+
+def test_a_cast_converts_dtypes_and_nothing_else_is_one():
+    half, single = torch.ones(4, dtype=torch.float16), torch.ones(4)
+    image = torch.ones(2, 3, 4, 4)
+    with DispatchCount() as count:
+        half.float()  # _to_copy fp16 -> fp32: a cast
+        single.to(torch.int32)  # _to_copy fp32 -> int32: a cast
+        single.clone()  # a copy, same dtype
+        image.to(memory_format=torch.channels_last)  # _to_copy, only the layout changes
+        torch.empty(4).copy_(half)  # copy_ fp16 -> fp32: a cast
+        torch.empty(4).copy_(single)  # copy_ within fp32
+        torch._foreach_copy_([torch.empty(4), torch.empty(4)], [single, half])  # one op, one cast
+        single.sum(dtype=torch.float64)  # computes in another dtype on the way: not a cast
+        half + single  # type promotion inside the op: not a cast
+    assert count.cast_total == 4, dict(count.casts)
+    assert count.casts == {"float16->float32": 3, "float32->int32": 1}
+    assert count.cast_sites and count.host_reads == 0
+
+
+def test_host_reads_are_counted_where_they_happen():
+    with DispatchCount() as count:
+        torch._foreach_add_([torch.zeros(3)], torch.ones(()))  # the Scalar overload reads the 0-dim tensor
+        float(torch.ones(()))
+    assert count.host_reads == 2 and sum(count.read_sites.values()) == 2
+
+
+def test_the_counted_update_is_the_gpus_form():
+    cfg = to_plain(load_config(["precision=fp16"]))
+    form = opcount.gpu_form(cfg)
+    assert form["perf"]["sync_free"] is True and form["perf"]["aug_backend"] == "kornia"
+    assert form["perf"]["channels_last"] is True and form["lowp"]["fp32_accumulate"] is False
+    assert not form["perf"]["compile"] and not form["perf"]["cuda_graphs"]
+    assert form["agent"]["num_conv_layers"] == cfg["agent"]["num_conv_layers"]
+    assert form["train"]["log_every_updates"] > 10**9 and cfg["lowp"]["fp32_accumulate"] is None  # a copy
+    said = to_plain(load_config(["precision=fp32", "perf.sync_free=false", "perf.aug_backend=index"]))
+    form = opcount.gpu_form(said)
+    assert form["perf"]["sync_free"] is False and form["perf"]["aug_backend"] == "index"
+    assert form["perf"]["channels_last"] is False  # fp32's on a GPU
+    assert opcount.count_obs_shape((9, 84, 84), 4) == (9, 17, 17)
+    assert opcount.count_obs_shape((9, 12, 12), 4) == (9, 12, 12) and opcount.count_obs_shape((5,), 4) == (5,)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
+def test_the_counts_do_not_depend_on_sizes(mode, monkeypatch):
+    """Batch, widths and image size change what each op computes, not which ops run: the counts
+    at the benchmark's small sizes are those of a larger agent (batch 16 at 84x84 with DrQ's
+    widths measured the same: docs/performance.md)."""
+    cfg = to_plain(load_config(list(MODES[mode].overrides)))
+    small = opcount.count_update_ops(cfg, (9, 84, 84), 2)
+    sizes = {"batch_size": 5, "num_filters": 6, "feature_dim": 12, "hidden_dim": 24}
+    monkeypatch.setattr(opcount, "COUNT_SIZES", sizes)
+    monkeypatch.setattr(opcount, "count_obs_shape", lambda shape, layers: (9, 26, 26))
+    larger = opcount.count_update_ops(cfg, (9, 84, 84), 2)
+    assert {k: (v.ops, v.casts, v.host_reads) for k, v in small.items()} == {
+        k: (v.ops, v.casts, v.host_reads) for k, v in larger.items()
+    }
+
+
+def test_counting_leaves_the_random_streams_alone():
+    cfg = to_plain(load_config(["precision=fp16"]))
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    counts = opcount.count_update_ops(cfg, (5,), 1)  # state observations: no convolutions, no shift
+    assert torch.equal(torch.rand(3), expected)
+    assert counts["full"].updates == 1 and counts["full"].ops > counts["critic-only"].ops > 0
