@@ -83,6 +83,9 @@ class Module:
     def loss_scales(self):
         return {"critic": 256.0}
 
+    def lowp_records(self):
+        return {"target_peak": 0.25}, []
+
     def log(self, name, value, **kwargs):
         self.logged[name] = value
 
@@ -101,7 +104,7 @@ def test_training_logger_rows_episodes_and_intervals():
     callback.on_train_batch_end(trainer, module, None, None, 1)
     step, row = logger.rows[-1]
     assert step == 50 and row["train/critic_loss"] == 0.5 and row["lowp/loss_scale_critic"] == 256.0
-    assert row["lowp/skipped_critic"] == 1 and row["updates"] == 3
+    assert row["lowp/skipped_critic"] == 1 and row["updates"] == 3 and row["lowp/target_peak"] == 0.25
     assert module.metrics == {} and callback.progress == {"return": 12.5, "critic_loss": 0.5}
     callback.on_train_batch_end(trainer, module, None, None, 2)  # nothing new: no row
     assert len(logger.rows) == 2
@@ -144,6 +147,9 @@ def test_the_progress_bar_reads_no_tensor_when_it_redraws(tmp_path):
 
         def loss_scales(self):
             return {}
+
+        def lowp_records(self):
+            return {}, []
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, TESTS, TINY, cli_env
+from overrides import merged
 from test_module import fit, make_batch, make_module
 
 from pixelsac.module import td_target
@@ -60,10 +61,7 @@ def test_inf_optimizer_state_stops_a_tiny_run_with_exit_3(tmp_path):
         [
             sys.executable,
             str(REPO / "tests" / "inject_inf_state.py"),
-            *TINY,
-            "precision=fp16",
-            "train.eval_every_frames=100000",
-            f"run_dir={run_dir}",
+            *merged(*TINY, "precision=fp16", "train.eval_every_frames=100000", f"run_dir={run_dir}"),
         ],
         cwd=tmp_path,
         env=env,

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, cli_env, main_in, run_cli, start_cli
+from conftest import TESTS, TINY, cli_env, main_in, run_cli, start_cli
+from overrides import merged
 
 EXIT_BAD_INPUT, EXIT_NUMERICAL, EXIT_IO_FAULT, EXIT_STOPPED = 2, 3, 74, 75
 FAST = [*TINY, "precision=fp32", "perf.calibrate_updates=0", "train.video_every_evals=0", "train.num_threads=1"]
@@ -615,14 +616,24 @@ def test_a_full_disk_under_the_loggers_is_one_line_naming_the_file_and_leaves_no
 
 
 def test_ctrl_c_while_the_libraries_load_is_one_line_and_writes_nothing(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = start_cli(*STATE, f"run_dir={run_dir}", cwd=tmp_path)
+    """The import of lightning is held (tests/hold_import) so that the signal lands while the
+    libraries load on a machine of any speed (polling for torch in the process's maps missed the
+    window under load: the run had installed its own handlers and finished its budget)."""
+    run_dir, held = tmp_path / "run", tmp_path / "held"
+    held.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pixelsac.train", *merged(*STATE, f"run_dir={run_dir}")],
+        cwd=tmp_path,
+        env=cli_env(TESTS / "hold_import", PYTHONUNBUFFERED="1", HOLD_IMPORT_DIR=str(held)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text():  # torch is being imported
-                break
-            time.sleep(0.02)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not (held / "holding").exists():
+            time.sleep(0.05)
+        assert (held / "holding").exists(), "the held import was never reached"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
     finally:
