@@ -9,7 +9,7 @@ import torch
 import pixelsac.perf.opcount as opcount
 from pixelsac.benchmark.plan import MODES
 from pixelsac.config import load_config, to_plain
-from pixelsac.perf.dispatch import DispatchCount
+from pixelsac.perf.dispatch import DispatchCount, is_host_read
 
 
 def test_a_cast_converts_dtypes_and_nothing_else_is_one():
@@ -34,7 +34,18 @@ def test_host_reads_are_counted_where_they_happen():
     with DispatchCount() as count:
         torch._foreach_add_([torch.zeros(3)], torch.ones(()))  # the Scalar overload reads the 0-dim tensor
         float(torch.ones(()))
+        torch.ones(2).cpu(), torch.ones(2).tolist()  # on a CPU already: nothing dispatched, nothing read
     assert count.host_reads == 2 and sum(count.read_sites.values()) == 2
+
+
+def test_a_copy_from_a_device_into_host_memory_is_a_host_read():
+    """Decided from the devices alone (``meta`` stands for a GPU here: no GPU needed)."""
+    device, host = torch.empty(3, device="meta"), torch.empty(3)
+    assert is_host_read(torch.ops.aten._to_copy.default, (device,), host)
+    assert is_host_read(torch.ops.aten.copy_.default, (host, device), host)
+    assert not is_host_read(torch.ops.aten._to_copy.default, (host,), device)  # host to device
+    assert not is_host_read(torch.ops.aten.copy_.default, (device, host), device)
+    assert not is_host_read(torch.ops.aten._to_copy.default, (host,), host.double())
 
 
 def test_the_counted_update_is_the_gpus_form():

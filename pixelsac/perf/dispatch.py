@@ -18,8 +18,11 @@ What counts as what:
   differs from the destination's (one cast per op, however many tensors it copies). A
   ``_to_copy`` that only moves a tensor or changes its memory format is not a cast; nor is an op
   that computes in another dtype on the way (``sum(dtype=...)``, type promotion).
-* **host read**: ``aten._local_scalar_dense``, how ``.item()``, ``bool()``, ``float()``,
-  ``.tolist()`` and every Scalar argument built from a tensor read a value.
+* **host read**: ``aten._local_scalar_dense``, how ``.item()``, ``bool()``, ``float()`` and every
+  Scalar argument built from a tensor read a value; and a copy from a device tensor into host
+  memory (``aten._to_copy`` or ``aten.copy_`` from a non-CPU tensor to a CPU one: ``.cpu()``, and
+  ``.tolist()`` or ``.numpy()`` of a GPU tensor). On a CPU only the first kind can occur (a CPU
+  tensor's ``.cpu()`` dispatches nothing).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HOST_READ", "DispatchCount", "is_cast"]
+__all__ = ["HOST_READ", "DispatchCount", "is_cast", "is_host_read"]
 
 HOST_READ = torch.ops.aten._local_scalar_dense.default
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -61,6 +64,21 @@ def is_cast(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     return False
 
 
+def _on_host(value: Any) -> bool | None:
+    return value.device.type == "cpu" if isinstance(value, torch.Tensor) else None
+
+
+def is_host_read(func: Any, args: tuple, out: Any) -> bool:
+    """Does this dispatched op read device values on the host (module docstring)?"""
+    if func is HOST_READ:
+        return True
+    if func is _TO_COPY:
+        return _on_host(args[0]) is False and _on_host(out) is True
+    if func is _COPY:
+        return _on_host(args[1]) is False and _on_host(args[0]) is True
+    return False
+
+
 class DispatchCount(TorchDispatchMode):
     """Inside ``with DispatchCount() as count:``, ``count.ops`` counts aten ops by overload,
     ``count.casts`` the casts by ``"from->to"`` dtypes and ``count.host_reads`` the host reads;
@@ -72,6 +90,7 @@ class DispatchCount(TorchDispatchMode):
         self.sites = sites
         self.ops: collections.Counter = collections.Counter()
         self.casts: collections.Counter = collections.Counter()
+        self.reads = 0
         self.read_sites: collections.Counter = collections.Counter()
         self.cast_sites: collections.Counter = collections.Counter()
 
@@ -86,9 +105,11 @@ class DispatchCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops[str(func)] += 1
-        if func is HOST_READ and self.sites:
-            self.read_sites[self._site()] += 1
         out = func(*args, **kwargs)
+        if is_host_read(func, args, out):
+            self.reads += 1
+            if self.sites:
+                self.read_sites[self._site()] += 1
         if func in (_TO_COPY, _COPY, _FOREACH_COPY) and is_cast(func, args, kwargs, out):
             if func is _TO_COPY:
                 source, target = args[0], out
@@ -103,7 +124,7 @@ class DispatchCount(TorchDispatchMode):
 
     @property
     def host_reads(self) -> int:
-        return self.ops[str(HOST_READ)]
+        return self.reads
 
     @property
     def total(self) -> int:
