@@ -239,7 +239,6 @@ class CompoundLossScaler:
         # culprit; all finite: the optimizer's state overflowed); None until the first step
         self._grad_peak: torch.Tensor | None = None
         self._skipped_peaks: torch.Tensor | None = None
-        self._skipped_any = False  # host: has any step been skipped (the record is meaningful)
         self._interval_peak: torch.Tensor | None = None  # largest taken peak since the last growth check, in ×S units
 
     def _get(self, name: str) -> Any:
@@ -456,10 +455,8 @@ class CompoundLossScaler:
         if torch.is_tensor(skipped):
             torch.where(skipped, peaks, self._skipped_peaks, out=self._skipped_peaks)
             step_peak = (peaks.max() if peak is None else peak).masked_fill(skipped, 0.0)
-            self._skipped_any = True  # maybe: the record says (all zeros until a skip)
         elif skipped:
             self._skipped_peaks.copy_(peaks)
-            self._skipped_any = True
             if self._interval_peak is not None:  # in the units of the halved scale
                 self._interval_peak.mul_(self.backoff_factor)
             return
@@ -478,15 +475,15 @@ class CompoundLossScaler:
         self._grad_peak.zero_()
         return peak
 
-    def last_overflow(self, optimizer: Optimizer | None = None) -> int | str | None:
+    def last_overflow(self) -> int | str | None:
         """What overflowed at the last skipped step: the position of the first parameter whose
         scaled gradient was not finite (among the parameters with a gradient, in the optimizer's
         order), ``"state"`` (every gradient finite, the optimizer's new state not), or None when
         no step was skipped. A host read."""
-        if not self._skipped_any or self._skipped_peaks is None:
+        if self._skipped_peaks is None:
             return None
         peaks = self._skipped_peaks.float().cpu()
-        if not bool(peaks.any()):  # never written: no skip yet (sync-free records from the device)
+        if not bool(peaks.any()):  # all zeros: never written, no step skipped yet
             return None
         bad = (~torch.isfinite(peaks)).nonzero()
         return int(bad[0]) if len(bad) else "state"

@@ -207,10 +207,28 @@ def batch_source_of(replay: Any, device: torch.device) -> str:
     return "pinned" if getattr(rings[0], "pin_memory", False) else "host"
 
 
-def _trainer_device_args(device: torch.device) -> dict[str, Any]:
-    if device.type == "cuda":
-        return {"accelerator": "cuda", "devices": [device.index or 0]}
-    return {"accelerator": device.type, "devices": 1}
+def bare_trainer(device: torch.device, callbacks: list[L.Callback]) -> L.Trainer:
+    """A Trainer on ``device`` that runs one epoch of updates and nothing else: no logger,
+    checkpoints, progress bar or summary, the module's own dtypes (``32-true``: Lightning casts
+    nothing). For measuring updates (timing, memory, dispatch counts) outside a training run."""
+    placement = (
+        {"accelerator": "cuda", "devices": [device.index or 0]}
+        if device.type == "cuda"
+        else {
+            "accelerator": device.type,
+            "devices": 1,
+        }
+    )
+    return L.Trainer(
+        **placement,
+        max_epochs=1,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
 
 
 EMULATION_CHOICES = ("saves_low", "saves_fp32", "interleaved")
@@ -289,16 +307,7 @@ def time_updates(
         if tensor_peak is None:
             tensor_peak = device.type != "cuda"
         probe = _Probe(setup + warmup, forms, tensor_peak, reset_peak_at=0 if graphs else setup + warmup)
-        trainer = L.Trainer(
-            **_trainer_device_args(device),
-            max_epochs=1,
-            precision="32-true",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[probe],
-        )
+        trainer = bare_trainer(device, [probe])
         trainer.fit(module, DataLoader([batch] * (setup + warmup + updates), batch_size=None))
         ms = probe.clock.drain()  # graph warm-ups and captures are not in it (UpdateTimer)
         ms = ms[max(len(ms) - updates, 0) :]

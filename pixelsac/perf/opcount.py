@@ -46,7 +46,7 @@ from pixelsac.graphs import update_cycle
 from pixelsac.lowp import HAdam
 from pixelsac.lowp.finite import foreach_checks
 from pixelsac.module import SACModule
-from pixelsac.perf.calibration import _trainer_device_args, synthetic_batch
+from pixelsac.perf.calibration import bare_trainer, synthetic_batch
 from pixelsac.perf.dispatch import DispatchCount
 
 _NEVER = 2**62  # a log interval no counted run reaches: no health check inside the updates
@@ -141,16 +141,7 @@ def count_update_ops(
 
         module.update = counting
         batch = synthetic_batch(int(agent["batch_size"]), shape, action_dim, seed=int(config.get("seed", 0)))
-        trainer = L.Trainer(
-            **_trainer_device_args(device),
-            max_epochs=1,
-            precision="32-true",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[_GpuOptimizers()],
-        )
+        trainer = bare_trainer(device, [_GpuOptimizers()])
         trainer.fit(module, DataLoader([batch] * ((1 + cycles) * cycle), batch_size=None))
     del trainer, module
     gc.collect()
