@@ -1,8 +1,9 @@
 """Native fp16/bf16 CPU kernels versus the fp32-accumulated emulation.
 
-The policy runs a half-precision convolution or matmul natively exactly where oneDNN offers
-kernels that accumulate in fp32 (bf16: AMX or AVX512-BF16; fp16: AMX-FP16 or AVX512-FP16), and
-emulates that arithmetic elsewhere; ``lowp.fp32_accumulate`` true/false forces either way.
+The policy runs a bf16 convolution or matmul natively exactly where oneDNN offers kernels that
+accumulate in fp32 (AMX or AVX512-BF16), and emulates that arithmetic elsewhere; fp16 is emulated
+even where oneDNN has fp16 kernels (AMX-FP16 or AVX512-FP16), whose convolution weight gradients
+are reference loops; ``lowp.fp32_accumulate`` true/false forces either way.
 """
 
 import pytest
@@ -30,24 +31,35 @@ def cpu_with(monkeypatch):
     return pretend
 
 
-@pytest.mark.parametrize("mode", ["fp16", "bf16"])
-def test_native_kernels_are_chosen_exactly_where_the_cpu_has_them(cpu_with, mode):
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[mode]
-    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
-    cpu_with(dtype)
-    assert not policy(f"precision={mode}").fp32_accumulate
-    assert not policy(f"precision={mode}", "lowp.fp32_accumulate=auto").fp32_accumulate
-    assert policy(f"precision={mode}", "lowp.fp32_accumulate=true").fp32_accumulate  # forced
-    assert "native kernels" in policy(f"precision={mode}").cpu_kernels()
-    cpu_with(other)  # kernels for the other half type only
-    assert policy(f"precision={mode}").fp32_accumulate
-    assert "emulated" in policy(f"precision={mode}").cpu_kernels()
+def test_native_bf16_kernels_are_chosen_exactly_where_the_cpu_has_them(cpu_with):
+    cpu_with(torch.bfloat16)
+    assert not policy("precision=bf16").fp32_accumulate
+    assert not policy("precision=bf16", "lowp.fp32_accumulate=auto").fp32_accumulate
+    assert policy("precision=bf16", "lowp.fp32_accumulate=true").fp32_accumulate  # forced
+    assert "native kernels" in policy("precision=bf16").cpu_kernels()
+    cpu_with(torch.float16)  # kernels for the other half type only
+    assert policy("precision=bf16").fp32_accumulate
+    assert "emulated" in policy("precision=bf16").cpu_kernels()
     cpu_with()
-    assert policy(f"precision={mode}").fp32_accumulate
-    forced = policy(f"precision={mode}", "lowp.fp32_accumulate=false")
+    assert policy("precision=bf16").fp32_accumulate
+    forced = policy("precision=bf16", "lowp.fp32_accumulate=false")
     assert not forced.fp32_accumulate and "has none" in forced.cpu_kernels()
-    assert not policy(f"precision={mode}", device="cuda").fp32_accumulate  # tensor cores do it on a GPU
+    assert not policy("precision=bf16", device="cuda").fp32_accumulate  # tensor cores do it on a GPU
     assert policy("precision=fp32").cpu_kernels() is None and policy("precision=amp").cpu_kernels() is None
+
+
+def test_fp16_is_emulated_even_where_the_cpu_has_native_fp16_kernels(cpu_with):
+    """Native CPU fp16 convolutions compute weight gradients in reference loops (an update ~80x
+    fp32's on a Sapphire Rapids core), so auto emulates fp16 everywhere and says why; forcing the
+    native kernels still works and says what it costs."""
+    cpu_with(torch.float16, torch.bfloat16)
+    auto = policy("precision=fp16")
+    assert auto.fp32_accumulate and "weight gradients in reference loops" in auto.cpu_kernels()
+    forced = policy("precision=fp16", "lowp.fp32_accumulate=false")
+    assert not forced.fp32_accumulate and "~80x slower" in forced.cpu_kernels()
+    cpu_with()
+    assert "no native kernels" in policy("precision=fp16").cpu_kernels()
+    assert "has none" in policy("precision=fp16", "lowp.fp32_accumulate=false").cpu_kernels()
 
 
 def test_fp32_accumulate_takes_auto_or_a_bool_and_nothing_else():
@@ -305,9 +317,9 @@ def test_a_cuda_run_says_nothing_about_the_hosts_cpu_kernels(cpu_with):
     ``fp16: native kernels (avx512_fp16), expect ~1.8x fp32's updates/s``."""
     from pixelsac.train import start_lines
 
-    cpu_with(torch.float16)
-    on_cpu = "\n".join(start_lines(_run_on("cpu", "precision=fp16")))
-    assert "fp16: native kernels (avx512_fp16)" in on_cpu and "1 x cpu" in on_cpu
+    cpu_with(torch.float16, torch.bfloat16)
+    on_cpu = "\n".join(start_lines(_run_on("cpu", "precision=bf16")))
+    assert "bf16: native kernels (avx512_bf16)" in on_cpu and "1 x cpu" in on_cpu
     for mode in ("fp16", "bf16"):
         on_gpu = "\n".join(start_lines(_run_on("cuda", f"precision={mode}")))
         assert "1 x cuda" in on_gpu

@@ -110,8 +110,9 @@ def _cpu_statement(rows: list[dict[str, Any]], device: str) -> list[str]:
         "**This ran on a CPU.** These are not the speed-ups a GPU gives. fp16/bf16 rows marked *emulated* "
         "keep fp16/bf16 storage and elementwise math but run convolutions and matmuls with fp32 "
         "accumulation (`lowp.fp32_accumulate`, what GPU tensor cores do); rows whose compute column says "
-        "*native* ran the CPU's own oneDNN kernels (bf16: AMX or AVX512-BF16, fp16: AMX-FP16 or "
-        "AVX512-FP16), which accumulate in fp32 themselves and are chosen automatically where present; "
+        "*native* ran the CPU's own oneDNN kernels (bf16: AMX or AVX512-BF16, chosen automatically where "
+        "present; fp16: AMX-FP16 or AVX512-FP16, only as `fp16-native`, since their convolution weight "
+        "gradients are reference loops), which accumulate in fp32 themselves; "
         "*reference kernels* are torch's slow fallback on a CPU without them; `amp` on a CPU autocasts "
         "to the CPU's fp16 kernels."
     ]
