@@ -76,6 +76,7 @@ NULLABLE: dict[str, type] = {
     "replay.pin_memory": bool,
     "perf.sync_free": bool,
     "perf.channels_last": bool,
+    "perf.split_k": int,
     "perf.aug_backend": str,
 }
 
@@ -115,6 +116,7 @@ _LOWER_BOUNDS: dict[str, float] = {
     "perf.calibrate_updates": 0,
     "perf.warmup_updates": 0,
     "perf.graph_warmup_updates": 1,
+    "perf.split_k": 0,
     "lowp.init_scale": 1e-30,
     "lowp.growth_interval": 1,
     "lowp.emulate_batch_chunk": 1,

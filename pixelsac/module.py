@@ -104,6 +104,8 @@ class SACModule(L.LightningModule):
 
         self.actor, self.critic = build_networks(self.obs_shape, self.action_dim, agent)
         self.critic.fp32_q_output = self.precision_policy.fp32_q_output  # the target's copy inherits it
+        self.precision_policy.configure_split_k(self.critic)  # the CPU's setting until setup() (perf.split_k)
+        self.precision_policy.configure_split_k(self.actor)
         # lowp.derived_target: θ̄ is computed from Kahan-momentum's ×K copy when used, not stored
         stored = not self.precision_policy.derived_target
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False) if stored else None
@@ -145,6 +147,7 @@ class SACModule(L.LightningModule):
         device_type = self.trainer.strategy.root_device.type
         self.precision_policy = PrecisionPolicy.from_config(self.cfg, device_type)
         self.precision_policy.apply_global_numerics()  # TF32 only when asked for (perf.tf32)
+        self.precision_policy.configure_split_k(self)
         for name in LOSSES:
             self.scalers[name] = self.precision_policy.make_scaler()
         self.target_updater.check_every_update = not self.precision_policy.sync_free

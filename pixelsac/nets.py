@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from pixelsac import lowp
+
 
 def mlp(in_dim: int, hidden_dim: int, out_dim: int, hidden_depth: int) -> nn.Sequential:
     """``hidden_depth`` hidden layers of ``hidden_dim`` ReLU units, then a linear output."""
@@ -80,7 +82,8 @@ class Projection(nn.Module):
 
     def __init__(self, in_dim: int, feature_dim: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(in_dim, feature_dim), nn.LayerNorm(feature_dim), nn.Tanh())
+        # SplitKLinear is nn.Linear until the precision policy sets its split (fp16/bf16 on CUDA)
+        self.net = nn.Sequential(lowp.SplitKLinear(in_dim, feature_dim), nn.LayerNorm(feature_dim), nn.Tanh())
         self.out_dim = feature_dim
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

@@ -167,6 +167,7 @@ class PrecisionPolicy:
     channels_last: bool = False
     tf32: bool = False  # fp32 matmuls and convolutions on TF32 tensor cores (CUDA; perf.tf32)
     emulate_batch_chunk: int | None = None  # fp32_accumulate's samples per fp32 call (lowp.emulate_batch_chunk)
+    split_k_chunk: int | None = None  # fp16/bf16 long-K linears: split-K chunk length (perf.split_k; None: off)
 
     @classmethod
     def from_config(cls, cfg: Any, device_type: str) -> PrecisionPolicy:
@@ -220,6 +221,9 @@ class PrecisionPolicy:
             # oneDNN runs the DrQ trunk 1.4-2x faster in NHWC (forward and backward, fp32 and the
             # fp32-accumulated emulation); cuDNN's tensor-core kernels want NHWC for fp16/bf16
             channels_last = device_type == "cpu" or (device_type == "cuda" and mode != "fp32")
+        split_k = cfg.perf.get("split_k")
+        if split_k is None:  # the projection's K = 39,200 GEMM ran without split-K on an H200: 814 us a call
+            split_k = 2048 if (low and device_type == "cuda") else 0
         return cls(
             mode=mode,
             device_type=device_type,
@@ -241,6 +245,7 @@ class PrecisionPolicy:
             channels_last=bool(channels_last),
             tf32=bool(cfg.perf.get("tf32")) and device_type == "cuda",
             emulate_batch_chunk=cfg.lowp.get("emulate_batch_chunk"),
+            split_k_chunk=int(split_k) if split_k and low else None,
             **switches,
         )
 
@@ -282,6 +287,13 @@ class PrecisionPolicy:
                 "weight gradients run reference loops: expect ~80x slower than fp32 in training"
             )
         return f"{self.mode}: native kernels ({isa}), expect ~{_CPU_SPEED_VS_FP32['native']:g}x fp32's updates/s"
+
+    def configure_split_k(self, module: nn.Module) -> None:
+        """Set every :class:`pixelsac.lowp.SplitKLinear` in ``module`` to this run's split-K
+        chunk length (``perf.split_k``; None turns it off)."""
+        for layer in module.modules():
+            if isinstance(layer, lowp.SplitKLinear):
+                layer.split_chunk = self.split_k_chunk
 
     def cast_module(self, module: nn.Module) -> nn.Module:
         return module.to(self.param_dtype)

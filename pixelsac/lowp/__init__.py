@@ -10,6 +10,8 @@ torch:
 * :class:`KahanEMA` — Kahan-momentum for the target network.
 * :class:`SquashedNormal` — tanh-Gaussian with the softplus-fix and normal-fix.
 * :func:`fp32_accumulate` — CPU emulation of fp16 tensor-core matmuls/convolutions.
+* :func:`split_k_linear`, :class:`SplitKLinear` — split-K for long fp16/bf16 matmuls with every
+  sum in fp32 (the parallelism of cuBLAS's split-K without its reduced-precision reductions).
 * :func:`all_finite` — one-pass finiteness checks for gradients and optimizer state.
 * :func:`stochastic_round` — deterministic, unbiased rounding from float32 into fp16/bf16
   (hAdam's ``unbiased_moments``, beyond the paper).
@@ -34,6 +36,7 @@ from .scaler import (
     optimizer_state_is_finite_after,
     rescale_optimizer_state_,
 )
+from .splitk import SplitKLinear, split_count, split_k_linear
 
 __all__ = [
     "HAdam",
@@ -48,6 +51,9 @@ __all__ = [
     "gaussian_log_prob",
     "tanh_log_abs_det_jacobian",
     "fp32_accumulate",
+    "split_k_linear",
+    "split_count",
+    "SplitKLinear",
     "all_finite",
     "kahan_add_",
     "stochastic_round",
