@@ -615,19 +615,22 @@ def test_a_full_disk_under_the_loggers_is_one_line_naming_the_file_and_leaves_no
 # --- 12. interrupted starts, leftovers, damaged checkpoints --------------------------------------
 
 
-@pytest.mark.skip(
-    reason="not deterministic yet: in a clean clone under xdist the signal reached a run whose stop handler was "
-    "already installed (it finished its budget, exit 0), even with the lightning import held; to be fixed"
-)
 def test_ctrl_c_while_the_libraries_load_is_one_line_and_writes_nothing(tmp_path):
     """The import of lightning is held (tests/hold_import) so that the signal lands while the
     libraries load on a machine of any speed (polling for torch in the process's maps missed the
-    window under load: the run had installed its own handlers and finished its budget)."""
+    window under load: the run had installed its own handlers and finished its budget).
+
+    The child starts with SIGINT at its default disposition. A shell without job control starts
+    background commands with SIGINT ignored, children inherit that, and Python then installs no
+    KeyboardInterrupt handler: in CI (``make test`` in such a job) the signal was lost while the
+    libraries loaded, and the run went on to finish its budget with exit 0. Run with ``trap '' INT``,
+    this test failed that way every time before the disposition was reset."""
     run_dir, held = tmp_path / "run", tmp_path / "held"
     held.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pixelsac.train", *merged(*STATE, f"run_dir={run_dir}")],
         cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         env=cli_env(TESTS / "hold_import", PYTHONUNBUFFERED="1", HOLD_IMPORT_DIR=str(held)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
