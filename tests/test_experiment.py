@@ -248,6 +248,18 @@ def test_paired_differences_are_per_seed_over_the_seeds_both_reached(tmp_path):
     ]
 
 
+def test_a_run_stopped_by_a_signal_is_stopped_not_crashed(tmp_path):
+    """Exit 75 is a run stopped with its work saved (Ctrl-C, SIGTERM, a scheduler's preemption):
+    the grid's next start resumes it, so it is not labelled a crash."""
+    assert experiment.run_status(75, tmp_path) == "stopped"
+    assert experiment.run_status(0, tmp_path) == "done"
+    assert experiment.run_status(2, tmp_path) == "refused"
+    assert experiment.run_status(3, tmp_path) == "failed"
+    assert experiment.run_status(1, tmp_path) == "crashed" and experiment.run_status(-9, tmp_path) == "crashed"
+    (tmp_path / "failure.json").write_text("{}")
+    assert experiment.run_status(1, tmp_path) == "failed"
+
+
 def test_value_at_interpolates_and_tolerates_action_repeat_rounding():
     result = experiment.RunResult("t", "fp32", 1, Path("."), np.array([0.0, 10_008.0]), np.array([0.0, 100.0]), None)
     assert experiment.value_at(result, 10_000) == ("ok", pytest.approx(100 * 10_000 / 10_008))

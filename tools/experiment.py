@@ -24,7 +24,8 @@ as failed, not as zero), seeds.csv (every seed's return at each budget) and pair
 mode against each mode of ``--paired-against``, fp32 by default: the same seed's difference, its
 mean over the seeds both reached with a bootstrap 95% CI), and learning curves (curves.png/svg, tools/plot.py).
 Bad arguments: one ``error:`` line, exit 2. Exit 1 when a run crashed or was refused (see its
-train.log).
+train.log); else 75 when a run was stopped by a signal with its work saved (the next start
+resumes it).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ MAIN = ["fp32", "fp16", "fp16-naive"]
 ALL = [*MAIN, "fp16-six", "amp", *(f"fp16-no-{s}" for s in SWITCHES)]
 #: keys the grid itself sets for every run; an override of them would break the layout
 RESERVED = ("task", "seed", "precision", "run_dir", "resume", "overwrite", "env.obs")
-EXIT_BAD_INPUT, EXIT_NUMERICAL_FAILURE = 2, 3
+EXIT_BAD_INPUT, EXIT_NUMERICAL_FAILURE, EXIT_STOPPED = 2, 3, 75
 #: a budget counts as reached when the last evaluation is within this fraction below it
 #: (budgets are rounded up to whole agent steps of action repeat frames)
 REACH_TOLERANCE = 0.02
@@ -411,14 +412,7 @@ def execute(plan: Plan, state: GridState) -> str:
         tie = lifeline.tie_before_exec(signal.SIGTERM)
         rc = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=tie).returncode
     seconds = round(time.monotonic() - started, 1)
-    if rc == 0:
-        status = "done"
-    elif rc == EXIT_NUMERICAL_FAILURE or (spec.run_dir / "failure.json").is_file():
-        status = "failed"
-    elif rc == EXIT_BAD_INPUT:
-        status = "refused"
-    else:
-        status = "crashed"
+    status = run_status(rc, spec.run_dir)
     state.update_run(
         spec.key,
         status=status,
@@ -429,6 +423,21 @@ def execute(plan: Plan, state: GridState) -> str:
     )
     print(f"{status:<8} {spec.key} (exit {rc}, {seconds:.0f} s; log {log})", flush=True)
     return status
+
+
+def run_status(returncode: int, run_dir: Path) -> str:
+    """What a training run's exit code says: done, failed (numerical failure), refused (bad
+    input), stopped (a signal stopped it with its work saved, exit 75: the grid's next start
+    resumes it) or crashed (anything else)."""
+    if returncode == 0:
+        return "done"
+    if returncode == EXIT_NUMERICAL_FAILURE or (run_dir / "failure.json").is_file():
+        return "failed"
+    if returncode == EXIT_BAD_INPUT:
+        return "refused"
+    if returncode == EXIT_STOPPED:
+        return "stopped"
+    return "crashed"
 
 
 # --- collecting results -------------------------------------------------------------------------------
@@ -1017,7 +1026,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             export(out, Path(args.export), tasks, modes, seeds)
     except GridError as exc:
         print(f"warning: no results: {exc}", file=sys.stderr)
-    return 1 if any(s in ("crashed", "refused") for s in statuses) else 0
+    if any(s in ("crashed", "refused") for s in statuses):
+        return 1
+    return EXIT_STOPPED if "stopped" in statuses else 0
 
 
 if __name__ == "__main__":
