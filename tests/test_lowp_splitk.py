@@ -101,6 +101,18 @@ def test_split_k_falls_back_to_linear_where_it_does_not_apply():
         split_count(100, 0)
 
 
+def test_without_a_mixed_dtype_gemm_the_product_falls_back_to_fp32_copies(monkeypatch):
+    """A CPU has no ``bmm`` with an fp32 output from fp16 inputs (nor may an older torch on a GPU):
+    the first failure is remembered and the same product runs on exact fp32 copies."""
+    from pixelsac.lowp import splitk
+
+    monkeypatch.setitem(splitk._MIXED_GEMM, "usable", True)
+    a, b = torch.randn(3, 4, 8).half(), torch.randn(3, 8, 5).half()
+    out = splitk._fp32_product(a, b, mixed=True)  # aten::bmm.dtype has no CPU kernel
+    assert out.dtype == torch.float32 and torch.equal(out, torch.bmm(a.float(), b.float()))
+    assert splitk._MIXED_GEMM["usable"] is False
+
+
 def test_split_k_linear_is_an_nn_linear_with_the_same_state():
     torch.manual_seed(0)
     layer = SplitKLinear(K, N).half()
@@ -140,6 +152,9 @@ def test_on_cuda_the_fp32_output_gemm_gives_the_cpu_form(dtype):
     x, w, b = _inputs(dtype)
     reference = F.linear(x.double(), w.double(), b.double())
     on_gpu = split_k_linear(x.cuda(), w.cuda(), b.cuda(), splits=20).cpu()
+    from pixelsac.lowp import splitk
+
+    assert splitk._MIXED_GEMM["usable"], "torch.bmm(out_dtype=float32) failed here: split-K multiplies fp32 copies"
     on_cpu = split_k_linear(x, w, b, splits=20)
     assert on_gpu.dtype == dtype
     assert (on_gpu != on_cpu).float().mean() < 0.01

@@ -55,12 +55,26 @@ def split_count(k: int, chunk: int) -> int:
     return min(divisors, key=lambda d: (abs(d - wanted), -d))
 
 
-def _fp32_product(a: torch.Tensor, b: torch.Tensor, batched: bool) -> torch.Tensor:
-    """``a @ b`` of fp16/bf16 inputs accumulated and returned in fp32."""
-    if a.device.type == "cuda":
-        return (torch.bmm if batched else torch.mm)(a, b, out_dtype=torch.float32)
-    # A CPU has no mixed-dtype GEMM; fp32 copies carry the same values exactly.
-    return (torch.bmm if batched else torch.mm)(a.float(), b.float())
+#: Whether ``torch.bmm(..., out_dtype=torch.float32)`` ran here; set False by its first failure
+#: (a torch or device without the mixed-dtype GEMM), after which fp32 copies are multiplied.
+_MIXED_GEMM = {"usable": True}
+
+
+def _fp32_product(a: torch.Tensor, b: torch.Tensor, mixed: bool | None = None) -> torch.Tensor:
+    """``torch.bmm(a, b)`` of fp16/bf16 inputs accumulated and returned in fp32.
+
+    ``mixed`` (default: on CUDA): one mixed-dtype GEMM with an fp32 output. Where that fails
+    (the first failure is remembered), and on a CPU, which has none, the same product of fp32
+    copies: ``float(x16)`` is exact, so the values are those of the mixed GEMM up to the order
+    of the fp32 sums."""
+    if mixed is None:
+        mixed = a.device.type == "cuda"
+    if mixed and _MIXED_GEMM["usable"]:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MIXED_GEMM["usable"] = False
+    return torch.bmm(a.float(), b.float())
 
 
 def _low_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -81,7 +95,7 @@ class _SplitKLinear(torch.autograd.Function):
         # (s, B, k) and (s, k, N): views, no copies (x and W are row-major in K)
         x_chunks = x.view(batch, splits, chunk).transpose(0, 1)
         w_chunks = weight.view(out_features, splits, chunk).permute(1, 2, 0)
-        partial = _fp32_product(x_chunks, w_chunks, batched=True)  # (s, B, N) fp32
+        partial = _fp32_product(x_chunks, w_chunks)  # (s, B, N) fp32
         total = partial.sum(dim=0)
         if bias is not None:
             total = total + bias.float()
