@@ -9,6 +9,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import ModuleType  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -51,6 +52,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def load_tool(filename: str) -> ModuleType:
+    """A script of ``tools/`` as a module (``tools/`` on ``sys.path`` for its own imports)."""
+    import importlib.util
+
+    if str(REPO / "tools") not in sys.path:
+        sys.path.insert(0, str(REPO / "tools"))
+    spec = importlib.util.spec_from_file_location(f"pixelsac_tools_{Path(filename).stem}", REPO / "tools" / filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
-from conftest import REPO, TrainedRun
-
-
-def load_tool():
-    sys.path.insert(0, str(REPO / "tools"))
-    spec = importlib.util.spec_from_file_location("grad_fidelity_tool", REPO / "tools" / "grad_fidelity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import TrainedRun, load_tool
 
 
 @pytest.mark.slow
@@ -25,7 +15,7 @@ def test_an_fp32_variant_matches_the_judge_and_bf16_is_further_off_than_the_fp16
     """The fp16 run's weights transplanted into fp32 give float64's gradients to fp32's rounding
     (a transplant that lost the target, the weights or the loss scale would not); bf16 from the
     same weights is further from float64 than the fp16 run itself on the critic."""
-    tool = load_tool()
+    tool = load_tool("grad_fidelity.py")
     out = tmp_path / "fidelity"
     code = tool.main(
         [str(tiny_fp16_run.run_dir), "--batches", "2", "--variant", "fp32=precision=fp32",
@@ -57,7 +47,7 @@ def test_the_judge_can_read_the_pixel_values_the_run_reads():
     from pixelsac.config import load_config
     from pixelsac.precision import PrecisionPolicy
 
-    tool = load_tool()  # puts tools/ on the path
+    tool = load_tool("grad_fidelity.py")  # puts tools/ on the path
     from drq_side_by_side import float64_policy
 
     run_policy = PrecisionPolicy.from_config(load_config(["precision=bf16"]), "cpu")
@@ -77,7 +67,7 @@ def test_judge_pixels_as_run_reaches_the_judge(tiny_fp16_run: TrainedRun, tmp_pa
     """Through the command line: with the judge reading the fp16 run's pixel values, an fp32
     variant (exact pixels to fp32's rounding) no longer matches it to fp32's rounding, while the
     run as trained still compares within its own arithmetic's error."""
-    tool = load_tool()
+    tool = load_tool("grad_fidelity.py")
     out = tmp_path / "as_run"
     code = tool.main(
         [str(tiny_fp16_run.run_dir), "--batches", "1", "--judge-pixels", "as-run",

@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
-from conftest import REPO, TrainedRun
+from conftest import TrainedRun, load_tool
 
 from pixelsac import checkpoint as ckpt_io
 from pixelsac.module import SACModule
 
 
-def load_tool():
-    sys.path.insert(0, str(REPO / "tools"))
-    spec = importlib.util.spec_from_file_location("target_headroom_tool", REPO / "tools" / "target_headroom.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_a_weight_past_6_55_is_reported_as_overflowing_the_published_target(tiny_fp16_run: TrainedRun, tmp_path):
-    tool = load_tool()
+    tool = load_tool("target_headroom.py")
     out = tmp_path / "headroom"
     assert tool.main([str(tiny_fp16_run.run_dir), "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
@@ -43,6 +33,6 @@ def test_a_weight_past_6_55_is_reported_as_overflowing_the_published_target(tiny
 
 
 def test_a_missing_run_is_one_line_and_exit_2(tmp_path, capsys):
-    assert load_tool().main([str(tmp_path / "nowhere")]) == 2
+    assert load_tool("target_headroom.py").main([str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from pixelsac.replay import ReplaySet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drq_side_by_side import float64_policy  # noqa: E402
+from table_files import write_table_files  # noqa: E402
 
 
 def load_run(run_dir: Path) -> tuple[SACModule, ReplaySet, dict[str, Any]]:
@@ -241,10 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
-        command = "python tools/grad_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(f"Command: `{command}`\n\n{table}")
-        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
+        write_table_files(args.out, "grad_fidelity.py", argv, table, {"rows": rows})
     return 0
 
 

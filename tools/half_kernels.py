@@ -18,7 +18,6 @@ reported beside the emulation's (one run, not a benchmark).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,9 @@ import torch.nn.functional as F
 
 from pixelsac.lowp import fp32_accumulate
 from pixelsac.precision import native_half_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from table_files import write_table_files  # noqa: E402
 
 #: name -> (input shape, weight shape, conv stride or None for a linear layer); batch first
 LAYERS = {
@@ -126,13 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, args.dtype, kernels)
     print(table)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        command = "python tools/half_kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        args.out.with_suffix(".md").write_text(f"Command: `{command}`\n\n{table}")
-        args.out.with_suffix(".json").write_text(
-            json.dumps({"command": command, "kernels": kernels, "torch": torch.__version__, "rows": rows}, indent=2)
-            + "\n"
-        )
+        data = {"kernels": kernels, "torch": torch.__version__, "rows": rows}
+        write_table_files(args.out, "half_kernels.py", argv, table, data)
     return 0
 
 

@@ -15,7 +15,6 @@ Writes ``OUT.md`` and ``OUT.json`` when ``--out`` is given.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,9 @@ import torch
 
 from pixelsac import checkpoint as ckpt_io
 from pixelsac.module import SACModule
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from table_files import write_table_files  # noqa: E402
 
 
 def headroom_rows(module: SACModule) -> list[dict]:
@@ -88,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
-        command = "python tools/target_headroom.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text(f"Command: `{command}`\n\n{table}")
-        args.out.with_suffix(".json").write_text(json.dumps({"command": command, "rows": rows}, indent=2) + "\n")
+        write_table_files(args.out, "target_headroom.py", argv, table, {"rows": rows})
     return 0
 
 
