@@ -168,6 +168,7 @@ class PrecisionPolicy:
     tf32: bool = False  # fp32 matmuls and convolutions on TF32 tensor cores (CUDA; perf.tf32)
     emulate_batch_chunk: int | None = None  # fp32_accumulate's samples per fp32 call (lowp.emulate_batch_chunk)
     split_k_chunk: int | None = None  # fp16/bf16 long-K linears: split-K chunk length (perf.split_k; None: off)
+    compiled_optimizer: bool = False  # hAdam's unbiased step compiled (perf.compile_optimizer; lowp/fused.py)
 
     @classmethod
     def from_config(cls, cfg: Any, device_type: str) -> PrecisionPolicy:
@@ -246,6 +247,7 @@ class PrecisionPolicy:
             tf32=bool(cfg.perf.get("tf32")) and device_type == "cuda",
             emulate_batch_chunk=cfg.lowp.get("emulate_batch_chunk"),
             split_k_chunk=int(split_k) if split_k and low else None,
+            compiled_optimizer=bool(cfg.perf.get("compile_optimizer")) and unbiased_moments and switches["hadam"],
             **switches,
         )
 
@@ -349,6 +351,7 @@ class PrecisionPolicy:
                 unbiased_moments=self.unbiased_moments,
                 seed=seed,
                 chunk_numel=lowp.HAdam.chunk_for(self.device_type),  # cache-sized on a CPU, whole buckets on a GPU
+                compiled=self.compiled_optimizer,
             )
         if use_kahan:
             return lowp.KahanAdam(params, lr=lr, betas=betas, eps=self.adam_eps)
@@ -492,6 +495,11 @@ class PrecisionPolicy:
             on.append("fp32_actor_loss")
         if self.fp32_actor_features:
             on.append("fp32_actor_features")
+        if self.compiled_optimizer:
+            on.append(
+                "compiled hAdam step"
+                + (" (on a CPU ~2x slower than eager; meant for a GPU)" if self.device_type == "cpu" else "")
+            )
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""
         if self.is_pure_low and self.device_type == "cpu" and not self.fp32_accumulate:
             extra = f" (native {native_half_kernels(self.param_dtype) or 'reference'} conv/matmul on CPU)"

@@ -48,7 +48,7 @@ def start_weights(dtype: torch.dtype) -> torch.Tensor:
     return (2 * torch.rand(WEIGHTS, generator=gen, dtype=F64) - 1).to(dtype)
 
 
-def displacement_ratio(kind: str, dtype: torch.dtype, unbiased: bool) -> float:
+def displacement_ratio(kind: str, dtype: torch.dtype, unbiased: bool, compiled: bool = False) -> float:
     """Median over weights of (p_T - p_0) / (p_T - p_0)_float64 after STEPS steps.
 
     fp16 goes through the compound loss scaler (S₀ = 1e4, ε = 1e-4 in ×S units): the scaled
@@ -60,7 +60,7 @@ def displacement_ratio(kind: str, dtype: torch.dtype, unbiased: bool) -> float:
     low = start_weights(dtype).requires_grad_()
     ref = low.detach().to(F64).requires_grad_()
     start = ref.detach().clone()
-    opt = HAdam([low], lr=LR, betas=BETAS, eps=eps, kahan=True, unbiased_moments=unbiased, seed=3)
+    opt = HAdam([low], lr=LR, betas=BETAS, eps=eps, kahan=True, unbiased_moments=unbiased, seed=3, compiled=compiled)
     init_scale = 1e4 if scaled else 1.0
     ref_opt = torch.optim.Adam([ref], lr=LR, betas=BETAS, eps=eps / init_scale / ROOT_FACTOR)
     scaler = CompoundLossScaler(init_scale=init_scale) if scaled else None

@@ -94,6 +94,16 @@ def _modes() -> dict[str, Mode]:
             "pure bf16, the actor reading the bf16 trunk's features (the default before lowp.fp32_actor_features)",
         ),
         Mode(
+            "fp16-compiled",
+            ("precision=fp16", "lowp.all=true", "perf.compile_optimizer=true"),
+            "fp16 with hAdam's step compiled into a few kernels (perf.compile_optimizer; slower on a CPU)",
+        ),
+        Mode(
+            "bf16-compiled",
+            ("precision=bf16", "perf.compile_optimizer=true"),
+            "bf16 with hAdam's step compiled into a few kernels (perf.compile_optimizer; slower on a CPU)",
+        ),
+        Mode(
             "fp16-native",
             ("precision=fp16", "lowp.all=true", "lowp.fp32_accumulate=false"),
             "fp16 + six on the CPU's native fp16 kernels (fp32-accumulate emulation off)",

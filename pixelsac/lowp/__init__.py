@@ -4,7 +4,8 @@ The six numerical modifications of Björck et al., "Low-Precision Reinforcement 
 Running Soft Actor-Critic in Half Precision" (ICML 2021), as a library that imports only
 torch:
 
-* :class:`HAdam` — Adam with a root second moment (hAdam), optional Kahan-gradients.
+* :class:`HAdam` — Adam with a root second moment (hAdam), optional Kahan-gradients; its
+  unbiased step optionally compiled into a few kernels (``fused.py``).
 * :class:`KahanAdam` — plain Adam with Kahan-gradients (for the "no hAdam" ablation).
 * :class:`CompoundLossScaler` — loss scaling carried into the optimizer state.
 * :class:`KahanEMA` — Kahan-momentum for the target network.

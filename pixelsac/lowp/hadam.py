@@ -78,6 +78,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from . import fused
 from .finite import all_finite, all_finite_many
 from .kahan import kahan_add_
 from .layout import in_layout_of, state_in_param_layouts_
@@ -147,8 +148,8 @@ def _flat(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tenso
         tensor = torch.empty_like(like).copy_(tensor)
     if tensor.is_contiguous():
         return tensor.view(-1)
-    if _reads_channels_last(tensor):
-        return tensor.permute(0, 2, 3, 1).view(-1)
+    if _reads_channels_last(tensor):  # NHWC memory: its elements in memory order, one view (not permute + view)
+        return tensor.as_strided((tensor.numel(),), (1,))
     raise RuntimeError(f"HAdam(unbiased_moments=True): unsupported tensor layout {tuple(tensor.stride())}")
 
 
@@ -195,13 +196,18 @@ class HAdam(Optimizer):
             a CPU keeps each pass in cache (the DrQ critic's step, 4.2M fp16 parameters, one
             thread: 117 ms against 153 ms at 2^20); on a GPU every chunk costs ~30 kernel
             launches, so whole buckets.
+        compiled: the unbiased step as two generated kernels a bucket (``torch.compile``, see
+            ``fused.py``): whole buckets (``chunk_numel`` unused, nothing float32 held), the same
+            arithmetic rounded the same ways, but not bit for bit the eager step (an FMA in
+            ATen's ``lerp``); compiled at the first step (seconds). Published arithmetic and
+            float32/float64 parameters stay eager.
 
     Op budget (what a GPU pays in launches): a sync-free step of one bucket with
     ``chunk_numel=None`` dispatches at most ``145 + 2.5·n`` aten ops for ``n`` parameters (views
     included, a foreach op counted once; bias corrections and rounding keys are vectors over the
     bucket, the per-element spreads gathers, the flat views of parameters and state kept from step
-    to step) -- DrQ's critic 191, actor 165, ``log_alpha`` 145 in fp16 -- and a whole fp16
-    update (critic, actor, temperature and target, forward and backward) 1,469, against fp32's
+    to step) -- DrQ's critic 187, actor 165, ``log_alpha`` 145 in fp16 -- and a whole fp16
+    update (critic, actor, temperature and target, forward and backward) 1,465, against fp32's
     808, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
     2^18-element chunks the same update at 84×84 dispatches 5,415 (~30 ops a chunk), which is
     why a GPU takes whole buckets.
@@ -223,6 +229,7 @@ class HAdam(Optimizer):
         unbiased_moments: bool = False,
         seed: int = 0,
         chunk_numel: int | None = 1 << 18,
+        compiled: bool = False,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"HAdam: invalid learning rate {lr}")
@@ -243,8 +250,10 @@ class HAdam(Optimizer):
         super().__init__(params, defaults)
         self.seed = int(seed)
         self.chunk_numel = None if chunk_numel is None else int(chunk_numel)
+        self.compiled = bool(compiled)
         self._layout_constants: dict[tuple, torch.Tensor] = {}  # see _constant
         self._flat_views: dict[int, tuple] = {}  # see _state_flats
+        self._flat_states: dict[tuple, dict] = {}  # see _flat_state
         # Set by every step: True (or a 0-dim bool device tensor) when a new root moment or
         # denominator would not be finite and the step was therefore not applied.
         self.state_overflow: bool | torch.Tensor = False
@@ -301,6 +310,11 @@ class HAdam(Optimizer):
                 "cannot skip without reading the flag on the host"
             )
         work = self._gather()
+        if self._fused(work):
+            group, bucket = work[0]
+            bucket["sanitize"] = found_inf is not None
+            self._fused_step(group, bucket, found_inf)
+            return loss
         for group, bucket in work:  # a skipped step's gradients may hold inf/NaN; 0 keeps x_new finite
             bucket["sanitize"] = found_inf is not None
             if found_inf is not None and not _unbiased(group, bucket):  # (the unbiased path: in its float32 copy)
@@ -506,7 +520,11 @@ class HAdam(Optimizer):
         where = tuple((t.data_ptr(), t.storage_offset(), t.stride(), t.shape) for t in tensors)
         cached = self._flat_views.get(id(param))
         if cached is None or cached[1] != where or any(a is not b for a, b in zip(cached[0], tensors)):
-            cached = (tensors, where, {name: _flat(t) for name, t in zip(names, tensors)})
+            # the parameter's view made from a detached alias: a view of a leaf that requires grad,
+            # made under no_grad, may not be read by autograd-aware code (torch.compile's inputs)
+            # once the leaf is changed in place with grad enabled
+            flats = [_flat(t.detach() if t.requires_grad else t) for t in tensors]
+            cached = (tensors, where, dict(zip(names, flats)))
             self._flat_views[id(param)] = cached
         return cached[2]
 
@@ -632,6 +650,100 @@ class HAdam(Optimizer):
             else:  # no compensation buffer: round stochastically, so sub-ulp steps add up on average
                 new_param = stochastic_round(param32.add_(update32), dtype, param_key, counter=counter)
             self._write(views["param"], new_param, param16, take, lengths)
+
+    # ------------------------------------------------------------------ compiled unbiased step
+    def _fused(self, work: list[tuple[dict[str, Any], dict[str, Any]]]) -> bool:
+        """Does this step take the compiled path? One bucket (one device and dtype: the decision
+        to skip is then the bucket's own), 16-bit with unbiased moments, and every parameter with
+        or every one without a Kahan buffer (a group switched to Kahan after loading has them all)."""
+        if not self.compiled or len(work) != 1 or not _unbiased(*work[0]):
+            return False
+        kahan = ["kahan_comp" in state for state in work[0][1]["states"]]
+        return all(kahan) or not any(kahan)
+
+    def _flat_state(self, bucket: dict[str, Any], capturable: bool) -> dict[str, torch.Tensor]:
+        """The bucket's state as one 1-D tensor per name (and, with device step counts, one
+        float32 vector of them), each parameter's state a view into it in the parameter's memory
+        order, so the compiled step reads and writes it whole: no ``cat``, no copy back. Made at
+        the first step, and again when a state tensor was replaced (``load_state_dict``, a change
+        of memory format): the values are copied in, the state dicts given the views."""
+        params, states = bucket["params"], bucket["states"]
+        names = ("exp_avg", "exp_avg_root", "kahan_comp")[: 3 if "kahan_comp" in states[0] else 2]
+        key = tuple(id(param) for param in params)
+        cached = self._flat_states.get(key)
+        if (
+            cached is not None
+            and all(state[name] is view for name in names for state, view in zip(states, cached["views"][name]))
+            and (not capturable or all(state["step"] is view for state, view in zip(states, cached["views"]["step"])))
+        ):
+            return cached["flat"]
+        total = sum(param.numel() for param in params)
+        flat, views = {}, {}
+        for name in names:
+            flat[name] = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
+            views[name], start = [], 0
+            for param, state in zip(params, states):
+                part = flat[name][start : start + param.numel()]
+                if _reads_channels_last(param):  # NHWC in memory, NCHW in shape: the parameter's strides
+                    batch, channels, height, width = param.shape
+                    part = part.view(batch, height, width, channels).permute(0, 3, 1, 2)
+                else:
+                    part = part.view(param.shape)
+                part.copy_(state[name])
+                state[name] = part
+                views[name].append(part)
+                start += param.numel()
+        if capturable:
+            flat["step"] = torch.stack([state["step"].to(params[0].device) for state in states])
+            views["step"] = []
+            for index, state in enumerate(states):
+                state["step"] = flat["step"][index]
+                views["step"].append(state["step"])
+        self._flat_states[key] = {"flat": flat, "views": views}
+        return flat
+
+    def _fused_step(self, group: dict[str, Any], bucket: dict[str, Any], found_inf: torch.Tensor | None) -> None:
+        """One step of the bucket as :func:`fused.step`: gradients and parameters joined (one
+        ``cat`` each), state updated in place in its flat buffers, parameters split back."""
+        beta1, beta2 = group["betas"]
+        params, states, indices = bucket["params"], bucket["states"], bucket["indices"]
+        device = params[0].device
+        capturable = group.get("capturable", False)
+        flat = self._flat_state(bucket, capturable)
+        kahan = "kahan_comp" in flat
+        param_views = [self._state_flats(param, state, False)["param"] for param, state in zip(params, states)]
+        grad = self._joined([_flat(grad, like=param) for grad, param in zip(bucket["grads"], params)])
+        if capturable:
+            counts = flat["step"]
+        else:  # host counts: a vector of this step's counts (the host adds 1 to each if the step is taken)
+            counts = torch.tensor([state["step"] for state in states], dtype=torch.float32, device=device)
+        eps = group["eps"]
+        if torch.is_tensor(eps):
+            eps = eps.to(device)
+        else:
+            eps = self._constant(device, ("eps", float(eps)), lambda key, dev: torch.tensor(key[1], device=dev))
+        layout = self._constant(
+            device,
+            ("layout", tuple((tuple(p.shape), _reads_channels_last(p)) for p in params)),
+            lambda key, dev: fused.layout_table(params, [channels_last for _, channels_last in key[1]], dev),
+        )
+        stream_starts = self._constant(device, ("stream", tuple(indices)), self._stream_starts)
+        hyper = self._constant(
+            device, ("hyper", float(group["lr"]), beta1, beta2), lambda key, dev: fused.hyperparameters(*key[1:], dev)
+        )
+        new_param, overflow = fused.step(
+            grad, flat["exp_avg"], flat["exp_avg_root"], self._joined(param_views),
+            flat["kahan_comp"] if kahan else None, counts, None if found_inf is None else found_inf.to(device),
+            stream_starts, layout, eps, hyper,
+        )  # fmt: skip
+        self._write(param_views, new_param, None, None, [param.numel() for param in params])
+        if capturable:
+            self.state_overflow = overflow
+        else:
+            self.state_overflow = bool(overflow)  # the host path reads its decisions anyway
+            if not self.state_overflow:
+                for state in states:
+                    state["step"] += 1
 
     def _constant(
         self, device: torch.device, key: tuple, make: Callable[[Any, torch.device], torch.Tensor]
