@@ -71,6 +71,20 @@ def test_the_default_parts_fit_the_stated_total_with_every_grace_counted():
     assert f"at most TOTAL seconds, {d['TOTAL']} by default" in text
 
 
+def test_the_compiled_optimizer_part_is_off_by_default_and_fits_when_a_part_makes_room():
+    """OPTSTEP=1 adds a bench of fp16/bf16 with hAdam eager against compiled (perf.compile_optimizer):
+    it does not fit beside every default part, so the plan shows it skipped; without the fast
+    training run and the GPU tests it fits."""
+    assert script_defaults()["OPTSTEP"] == 0
+    crowded = plan(OPTSTEP="1")
+    assert list(plan_steps(crowded.stdout)) == [*DEFAULT_PARTS, "optstep"]
+    assert "does not fit" in crowded.stdout
+    roomy = plan(OPTSTEP="1", FAST_FRAMES="0", GPU_TESTS="0")
+    assert roomy.returncode == 0 and "every part fits" in roomy.stdout, roomy.stdout
+    text = SCRIPT.read_text()
+    assert "bench.modes=fp16,fp16-compiled,bf16,bf16-compiled" in text
+
+
 def test_every_limit_allows_for_a_cold_start():
     """A cold GPU machine takes ~10 s to start a process and ~20 s to import the stack: the first
     H200 run's 15-s limits cut ablations, layout and batchsrc before their first row. Every

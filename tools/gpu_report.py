@@ -31,7 +31,7 @@ import tarfile
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-BENCH_PARTS = ("bench512", "bench128", "syncfree", "ablations", "layout", "batchsrc", "compile")
+BENCH_PARTS = ("bench512", "bench128", "syncfree", "ablations", "layout", "batchsrc", "compile", "optstep")
 #: training run -> (the part it runs in, what it is)
 RUNS = {
     "fast_fp16": ("fast", "fp16 + six, CUDA graphs and GPU-resident replay, alone on the device"),

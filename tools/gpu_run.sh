@@ -27,6 +27,8 @@
 #   fast       one fp16 training run alone: CUDA graphs (if checked), GPU-resident replay,
 #              10% seed steps: end-to-end env frames/s                                  (T_FAST)
 #   compile    fp32 and fp16 with torch.compile, batch 512 (off unless COMPILE=1)    (T_COMPILE)
+#   optstep    fp16 and bf16, hAdam eager vs compiled (perf.compile_optimizer), batches 512
+#              and 128, as CUDA graphs (off unless OPTSTEP=1; drop a part to fit it)  (T_OPTSTEP)
 # fp32 and fp16 come first in every part, so a part cut short still has the headline rows.
 # Learning curves are not part of it: a few minutes give a few hundred updates, which show nothing.
 #
@@ -50,8 +52,9 @@
 #
 # Knobs (environment): TOTAL=585 GRACE=3 REPORT_S=4 FINAL_S=10 ARCHIVE_MB=20 START_S=30
 #   T_GL=10 T_WHEELS=30 T_CHECK=START_S T_SMI=5, and START_S plus: T_TESTS +45 T_B512 +25
-#   T_B128 +15 T_SF +25 T_ABL +25 T_CL +15 T_SRC +15 T_FAST +20 T_COMPILE +60; COMPILE=0
-#   N512=60 N128=60 N_ABL=20 N_CL=40 N_SF=40 N_COMPILE=40 WARMUP=10
+#   T_B128 +15 T_SF +25 T_ABL +25 T_CL +15 T_SRC +15 T_FAST +20 T_COMPILE +60 T_OPTSTEP +90;
+#   COMPILE=0 OPTSTEP=0
+#   N512=60 N128=60 N_ABL=20 N_CL=40 N_SF=40 N_COMPILE=40 N_OPTSTEP=40 WARMUP=10
 #   FAST_FRAMES=6000 (0 skips it) FAST_TASK=cartpole_swingup
 #   PYTHON=python3 DEVICE=cuda, BENCH_ARGS and FAST_ARGS (extra key=value overrides),
 #   GPU_TESTS=1 (0 skips part gpu_tests). A CPU smoke run (the tests do this):
@@ -67,9 +70,10 @@ T_WHEELS=${T_WHEELS:-30}; T_CHECK=${T_CHECK:-$START_S}; T_GL=${T_GL:-10}; T_SMI=
 T_TESTS=${T_TESTS:-$(( START_S + 45 ))}; T_B512=${T_B512:-$(( START_S + 25 ))}; T_B128=${T_B128:-$(( START_S + 15 ))}
 T_SF=${T_SF:-$(( START_S + 25 ))}; T_ABL=${T_ABL:-$(( START_S + 25 ))}; T_CL=${T_CL:-$(( START_S + 15 ))}
 T_SRC=${T_SRC:-$(( START_S + 15 ))}; T_FAST=${T_FAST:-$(( START_S + 20 ))}; T_COMPILE=${T_COMPILE:-$(( START_S + 60 ))}
-COMPILE=${COMPILE:-0}; GPU_TESTS=${GPU_TESTS:-1}
+T_OPTSTEP=${T_OPTSTEP:-$(( START_S + 90 ))}  # triton compiles each form of the step once (not measured)
+COMPILE=${COMPILE:-0}; OPTSTEP=${OPTSTEP:-0}; GPU_TESTS=${GPU_TESTS:-1}
 N512=${N512:-60}; N128=${N128:-60}; N_ABL=${N_ABL:-20}; N_CL=${N_CL:-40}; N_SF=${N_SF:-40}
-N_COMPILE=${N_COMPILE:-40}; WARMUP=${WARMUP:-10}
+N_COMPILE=${N_COMPILE:-40}; N_OPTSTEP=${N_OPTSTEP:-40}; WARMUP=${WARMUP:-10}
 FAST_FRAMES=${FAST_FRAMES:-6000}; FAST_TASK=${FAST_TASK:-cartpole_swingup}
 PY=${PYTHON:-python3}; DEVICE=${DEVICE:-cuda}; BENCH_ARGS=${BENCH_ARGS:-}; FAST_ARGS=${FAST_ARGS:-}
 MODES=fp32,fp16,tf32,amp,bf16,fp16-naive
@@ -81,6 +85,7 @@ PARTS+=("bench512:$T_B512" "bench128:$T_B128" "syncfree:$T_SF" "ablations:$T_ABL
         "batchsrc:$T_SRC")
 [[ "$FAST_FRAMES" != 0 ]] && PARTS+=("fast:$T_FAST")
 [[ "$COMPILE" != 0 ]] && PARTS+=("compile:$T_COMPILE")
+[[ "$OPTSTEP" != 0 ]] && PARTS+=("optstep:$T_OPTSTEP")
 
 plan() {  # the worst case, step by step; exit status 1 when it does not fit TOTAL
   local setup=$(( T_GL + T_WHEELS + GRACE + T_CHECK + GRACE + T_SMI + REPORT_S )) sum=0 entry name limit
@@ -275,6 +280,11 @@ fi
 
 if [[ "$COMPILE" != 0 ]]; then
   bench compile bench.batch_sizes=512 bench.modes=fp32,fp16 bench.compile=on bench.updates="$N_COMPILE"
+fi
+
+if [[ "$OPTSTEP" != 0 ]]; then
+  bench optstep bench.batch_sizes=512,128 bench.modes=fp16,fp16-compiled,bf16,bf16-compiled \
+    bench.cuda_graphs=$GRAPHS bench.updates="$N_OPTSTEP"
 fi
 
 say "writing the final report"
