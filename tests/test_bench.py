@@ -191,6 +191,18 @@ def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
     assert "fp16-native" in capsys.readouterr().out
 
 
+def test_a_compiled_cell_is_timed_without_the_saved_tensor_meter(tmp_path):
+    """``bench.compile=on`` cells failed on torch 2.13 ("Guard failed on the same frame it was
+    created"): dynamo traced the saved-tensor meter's pack hook into the first compile. Compiled
+    cells now leave that meter out (saved for backward: n/a); the eager backend shows the wiring."""
+    out = tmp_path / "bench"
+    args = ["bench.modes=fp32,fp16", "bench.compile=on", "bench.compile_backend=eager", "bench.isolate=false"]
+    assert bench.main([*TINY, *args, f"bench.out={out}"]) == 0
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    assert [(r["mode"], r["status"]) for r in rows] == [("fp32", "ok"), ("fp16", "ok")], rows
+    assert all(float(r["ms_mean"]) > 0 and r["saved_bytes"] == "" for r in rows)
+
+
 def test_a_fresh_process_cell_measures_its_own_peak_rss(tmp_path):
     plan = plan_mod.make_plan([*TINY, "bench.modes=fp32", f"bench.out={tmp_path / 'unused'}"])
     assert plan.isolate  # the default on a CPU

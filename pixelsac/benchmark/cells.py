@@ -78,6 +78,7 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
         prepare=prepare,
         emulation=spec.emulation,
         tensor_peak=device.type != "cuda" and not spec.compile,
+        meter_saved=not spec.compile,  # the meter's hook breaks the first compile (perf.calibration)
     )
     compute, emulated = _compute(cfg, mode, device.type)
     saved = timed.saved

@@ -196,11 +196,12 @@ class HAdam(Optimizer):
             a CPU keeps each pass in cache (the DrQ critic's step, 4.2M fp16 parameters, one
             thread: 117 ms against 153 ms at 2^20); on a GPU every chunk costs ~30 kernel
             launches, so whole buckets.
-        compiled: the unbiased step as two generated kernels a bucket (``torch.compile``, see
-            ``fused.py``): whole buckets (``chunk_numel`` unused, nothing float32 held), the same
-            arithmetic rounded the same ways, but not bit for bit the eager step (an FMA in
-            ATen's ``lerp``); compiled at the first step (seconds). Published arithmetic and
-            float32/float64 parameters stay eager.
+        compiled: the unbiased step of a one-bucket optimizer as one op whose kernels
+            ``torch.compile`` generates (``fused.py``), the state kept in one flat buffer per
+            name: whole buckets (``chunk_numel`` unused), the same arithmetic and rounding streams,
+            but not bit for bit the eager step (an FMA in ATen's ``lerp``); compiled at the first
+            step (seconds); on a CPU slower than eager. The published arithmetic, float32/float64
+            parameters and optimizers spanning several devices or dtypes stay eager.
 
     Op budget (what a GPU pays in launches): a sync-free step of one bucket with
     ``chunk_numel=None`` dispatches at most ``145 + 2.5·n`` aten ops for ``n`` parameters (views

@@ -100,9 +100,15 @@ class _Probe(UpdateTimer):
     saves for backward, and (``forms``) sets the emulation's form before each update."""
 
     def __init__(
-        self, warmup: int, forms: list[bool] | None = None, tensor_peak: bool = False, reset_peak_at: int | None = None
+        self,
+        warmup: int,
+        forms: list[bool] | None = None,
+        tensor_peak: bool = False,
+        reset_peak_at: int | None = None,
+        meter_saved: bool = True,
     ) -> None:
         super().__init__()
+        self.meter_saved = meter_saved
         self.warmup = warmup
         self.reset_peak_at = warmup if reset_peak_at is None else reset_peak_at
         self.started = 0
@@ -129,7 +135,7 @@ class _Probe(UpdateTimer):
             self.peak.reset()
         if self.forms is not None:
             pl_module.precision_policy.save_low_precision = self.forms[min(self.started, len(self.forms) - 1)]
-        if self.started == 0:  # update 0 runs the critic, the actor and the temperature
+        if self.started == 0 and self.meter_saved:  # update 0 runs the critic, the actor and the temperature
             self._meter = SavedTensorMeter(module_state_tensors(pl_module)).__enter__()
             if self.tensor_peak:
                 self._peak_meter = TensorPeakMeter().__enter__()
@@ -245,6 +251,7 @@ def time_updates(
     prepare: Callable[[L.LightningModule], None] | None = None,
     emulation: str | None = None,
     tensor_peak: bool | None = None,
+    meter_saved: bool = True,
 ) -> TimedUpdates:
     """Build a fresh ``SACModule`` from ``config`` and time ``updates`` of its real training steps
     on ``batch`` after ``warmup`` untimed ones, under a throwaway Trainer on ``device``.
@@ -269,7 +276,10 @@ def time_updates(
     their times are in ``ms_by_form``. None leaves the policy as it is.
 
     ``tensor_peak`` (default: on a CPU) meters the first update with a :class:`TensorPeakMeter`
-    too (a Python call per op: leave it off for compiled networks).
+    too (a Python call per op: leave it off for compiled networks). ``meter_saved=False`` leaves
+    out the :class:`SavedTensorMeter`: compiled networks need that (dynamo traces its pack hook
+    into the first compile and fails on torch 2.13: "Guard failed on the same frame it was
+    created"), and their saved tensors are AOTAutograd's choice, not the eager graph's.
     """
     from torch.utils.data import DataLoader
 
@@ -306,7 +316,9 @@ def time_updates(
             prepare(module)
         if tensor_peak is None:
             tensor_peak = device.type != "cuda"
-        probe = _Probe(setup + warmup, forms, tensor_peak, reset_peak_at=0 if graphs else setup + warmup)
+        probe = _Probe(
+            setup + warmup, forms, tensor_peak, reset_peak_at=0 if graphs else setup + warmup, meter_saved=meter_saved
+        )
         trainer = bare_trainer(device, [probe])
         trainer.fit(module, DataLoader([batch] * (setup + warmup + updates), batch_size=None))
         ms = probe.clock.drain()  # graph warm-ups and captures are not in it (UpdateTimer)
