@@ -146,23 +146,12 @@ def _logical_index(within, channels, height, width):
 
 
 def _elements(
-    decision: _Decision,
-    exp_avg,
-    param,
-    kahan_comp,
-    grad32,
-    root32,
-    root_correction,
-    step_size,
-    key,
-    param_key,
-    counter,
-    eps,
+    decision: _Decision, exp_avg, param, kahan_comp, root_correction, step_size, key, param_key, counter, eps
 ):
     """Each element's step (module docstring): new ``m``, ``s``, weight and Kahan buffer (None
     without one), not yet blended with the skip decision."""
-    dtype = param.dtype
-    avg32 = exp_avg.float().lerp(grad32, decision.one_minus_beta1)
+    dtype, root32 = param.dtype, decision.root32
+    avg32 = exp_avg.float().lerp(decision.grad32, decision.one_minus_beta1)
     denom32 = (root32 / root_correction + eps).clamp_min(torch.finfo(torch.float32).tiny)
     update32 = avg32 / denom32 * step_size
     new_root = stochastic_round(root32, dtype, key, counter=counter)
@@ -202,9 +191,8 @@ def _step(
     rows = layout.index_select(0, owner)
     counter = _logical_index(position - rows[:, 0], rows[:, 2], rows[:, 3], rows[:, 4])
     new = _elements(
-        decision, exp_avg, param, kahan_comp, decision.grad32, decision.root32,
-        decision.root_corrections[owner], decision.step_sizes[owner], decision.keys[owner],
-        decision.param_keys[owner], counter, eps,
+        decision, exp_avg, param, kahan_comp, decision.root_corrections[owner], decision.step_sizes[owner],
+        decision.keys[owner], decision.param_keys[owner], counter, eps,
     )  # fmt: skip
     return _write(decision, exp_avg, exp_avg_root, param, kahan_comp, counts, *new)
 
