@@ -211,39 +211,6 @@ def _compiled_step():
 @torch.library.custom_op(
     "pixelsac_lowp::hadam_step", mutates_args=("exp_avg", "exp_avg_root", "kahan_comp", "counts")
 )  # fmt: skip
-def _step_op(
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_root: torch.Tensor,
-    param: torch.Tensor,
-    kahan_comp: torch.Tensor | None,
-    counts: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    stream_starts: torch.Tensor,
-    layout: torch.Tensor,
-    eps: torch.Tensor,
-    hyper: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from torch._inductor import metrics  # (torch.compile's first call imports inductor anyway)
-
-    before = metrics.generated_kernel_count
-    # a handful of graphs a run (Kahan or not, a skip flag or not, dtype, one element or more),
-    # but a process that builds many agents (a benchmark, the tests) may ask for more than
-    # dynamo's default limit of 8
-    with torch._dynamo.config.patch(recompile_limit=64):
-        new_param, overflow = _compiled_step()(
-            grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper
-        )
-    if metrics.generated_kernel_count != before:  # compiled now: note this form's kernels
-        _kernels["step"] = metrics.generated_kernel_count - before
-    return new_param, overflow
-
-
-@_step_op.register_fake
-def _(grad, exp_avg, exp_avg_root, param, *rest):
-    return torch.empty_like(param), torch.empty((), dtype=torch.bool, device=param.device)
-
-
 def step(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -267,9 +234,24 @@ def step(
     :func:`layout_table`; ``eps``: 0-dim float32; ``hyper``: :func:`hyperparameters`. Returns the
     new parameters (the old ones where the step is skipped) and the 0-dim bool "a new root moment
     overflowed"."""
-    return _step_op(
-        grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper
-    )
+    from torch._inductor import metrics  # (torch.compile's first call imports inductor anyway)
+
+    before = metrics.generated_kernel_count
+    # a handful of graphs a run (Kahan or not, a skip flag or not, dtype, one element or more),
+    # but a process that builds many agents (a benchmark, the tests) may ask for more than
+    # dynamo's default limit of 8
+    with torch._dynamo.config.patch(recompile_limit=64):
+        new_param, overflow = _compiled_step()(
+            grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper
+        )
+    if metrics.generated_kernel_count != before:  # compiled now: note this form's kernels
+        _kernels["step"] = metrics.generated_kernel_count - before
+    return new_param, overflow
+
+
+@step.register_fake
+def _(grad, exp_avg, exp_avg_root, param, *rest):
+    return torch.empty_like(param), torch.empty((), dtype=torch.bool, device=param.device)
 
 
 def kernels_per_call() -> dict[str, int]:

@@ -311,10 +311,8 @@ class HAdam(Optimizer):
                 "cannot skip without reading the flag on the host"
             )
         work = self._gather()
-        if self._fused(work):
-            group, bucket = work[0]
-            bucket["sanitize"] = found_inf is not None
-            self._fused_step(group, bucket, found_inf)
+        if self._fused(work):  # (found_inf also tells it to count non-finite gradients as 0)
+            self._fused_step(*work[0], found_inf)
             return loss
         for group, bucket in work:  # a skipped step's gradients may hold inf/NaN; 0 keeps x_new finite
             bucket["sanitize"] = found_inf is not None
