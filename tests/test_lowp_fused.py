@@ -208,10 +208,10 @@ def test_the_compiled_state_resumes_bitwise_and_loads_into_an_eager_optimizer():
                 assert int(ulps_apart(a.detach(), b.detach()).max()) <= 1
 
 
-def test_the_compiled_step_is_two_views_and_one_op_a_parameter_set():
-    """What the step dispatches: the gradients' views, one ``cat`` of the gradients and one of the
-    parameters, the step itself and the write-back (``split`` + one ``_foreach_copy_``);
-    inductor generated its kernels once."""
+def test_the_compiled_step_is_the_gradients_views_one_cat_and_one_op():
+    """What the step dispatches: the gradients' views, one ``cat`` of the gradients and the step
+    itself -- the parameters are views into the flat buffer the op updates in place, so nothing
+    joins them or writes them back; inductor generated its kernels once."""
     from pixelsac.perf.dispatch import DispatchCount
 
     params, optimizer = run(True, kahan=True, capturable=True, steps=2, skip_at=-1)
@@ -224,12 +224,108 @@ def test_the_compiled_step_is_two_views_and_one_op_a_parameter_set():
     assert ops == {
         "view.default": 3,  # the contiguous gradients
         "as_strided.default": 1,  # the channels-last conv weight's gradient, in memory order
-        "cat.default": 2,
+        "cat.default": 1,
         "pixelsac_lowp.hadam_step.default": 1,
-        "split_with_sizes.default": 1,
-        "_foreach_copy_.default": 1,
     }, ops
     assert fused.kernels_per_call().get("step", 0) >= 1
+
+
+def test_the_parameters_live_in_one_buffer_and_a_replaced_parameter_moves_back():
+    """From the optimizer's construction the bucket's parameters are views into one buffer (same
+    objects, same values and strides: the channels-last weight stays channels-last); a parameter
+    given new storage (``param.data = ...``, as ``module.to`` does) is copied back in at the next
+    step and the run goes on exactly as without the move; autograd sees every step as an
+    in-place change."""
+    fresh = make_params()
+    values = [p.detach().clone() for p in fresh]
+    strides = [p.stride() for p in fresh]
+    HAdam(fresh, lr=1e-3, unbiased_moments=True, compiled=True)
+    assert len({p.untyped_storage().data_ptr() for p in fresh}) == 1
+    assert all(torch.equal(p.detach(), v) and p.stride() == st for p, v, st in zip(fresh, values, strides))
+
+    params, optimizer = run(True, kahan=True, capturable=True, steps=3, skip_at=-1)
+    reference, again = run(True, kahan=True, capturable=True, steps=3, skip_at=-1)
+    storage = params[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == storage for p in params)
+    assert params[0].is_contiguous(memory_format=torch.channels_last) and not params[0].is_contiguous()
+    params[2].data = params[2].data.clone()  # elsewhere now
+    assert params[2].untyped_storage().data_ptr() != storage
+    versions = [p._version for p in params]
+    gen, gen_again = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for param, grad in zip(params, gradients(params, gen)):
+            param.grad = grad
+        for param, grad in zip(reference, gradients(reference, gen_again)):
+            param.grad = grad
+        optimizer.step(found_inf=torch.tensor(0.0))
+        again.step(found_inf=torch.tensor(0.0))
+    storage = params[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == storage for p in params)
+    for a, b in zip(params, reference):
+        assert torch.equal(a.detach(), b.detach())
+        for key in ("exp_avg", "exp_avg_root", "kahan_comp", "step"):
+            assert torch.equal(optimizer.state[a][key], again.state[b][key]), key
+    assert all(p._version > v for p, v in zip(params, versions))
+    # a graph that saved a weight before a step may not backpropagate after it
+    weight = params[3]
+    loss = (weight * weight).sum()
+    weight.grad = torch.ones_like(weight)
+    for param in params[:3]:
+        param.grad = torch.zeros_like(param)
+    optimizer.step(found_inf=torch.tensor(0.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("kahan", [True, False], ids=["kahan", "stochastic-weights"])
+def test_a_backoff_folded_into_the_step_is_the_scalers_rescale_after_it(kahan):
+    """``step(found_inf, backoff=(f, floor))``, the compound scaler's call, gives bit for bit what
+    the step followed by ``rescale_state_(f if skipped else 1, floor)`` gives: moments ×f on the
+    skipped steps (f = 0.3: no power of two, so the rounding of the product counts; subnormal
+    moments among them), ε <- max(ε·f, floor) on every step (1e-8, 3e-9, 9e-10 -> the floor 1e-9). The
+    eager step ignores the backoff and says so (``backed_off``)."""
+
+    def drive(fold: bool) -> tuple[list[torch.Tensor], HAdam]:
+        params = make_params()
+        optimizer = HAdam(params, lr=1e-3, eps=1e-8, kahan=kahan, capturable=True, unbiased_moments=True, seed=3,
+                          compiled=True)  # fmt: skip
+        gen = torch.Generator().manual_seed(2)
+        one = torch.ones(())
+        for step in range(12):
+            for param, grad in zip(params, gradients(params, gen)):
+                param.grad = grad * 1e-3 if step < 4 else grad  # small first: subnormal moments to back off
+            if step == 9:  # a finite gradient whose new root moment overflows fp16: a skip of the state's
+                optimizer.state[params[1]]["exp_avg_root"][0] = 65504.0
+                params[1].grad[0] = 6e4
+            found_inf = torch.tensor(float(step in (5, 6)))
+            if fold:
+                optimizer.step(found_inf=found_inf, backoff=(0.3, 1e-9))
+                assert optimizer.backed_off
+            else:
+                optimizer.step(found_inf=found_inf)
+                skipped = (found_inf > 0) | optimizer.state_overflow
+                optimizer.rescale_state_(one.masked_fill(skipped, 0.3), eps_floor=1e-9)
+        return params, optimizer
+
+    folded_params, folded = drive(True)
+    params, unfolded = drive(False)
+    assert float(unfolded.state[params[0]]["step"]) == 9.0  # three skips
+    subnormal = 0
+    for a, b in zip(folded_params, params):
+        assert torch.equal(a.detach(), b.detach())
+        for key in ("exp_avg", "exp_avg_root", "kahan_comp", "step"):
+            if key in unfolded.state[b]:
+                assert torch.equal(folded.state[a][key], unfolded.state[b][key]), key
+        subnormal += int(((unfolded.state[b]["exp_avg"].abs() < 2**-14) & (unfolded.state[b]["exp_avg"] != 0)).sum())
+    assert subnormal > 0
+    assert torch.equal(folded.param_groups[0]["eps"], unfolded.param_groups[0]["eps"])
+    assert float(unfolded.param_groups[0]["eps"]) == pytest.approx(1e-9, rel=1e-6)  # 1e-8·0.3² then the floor
+
+    eager = HAdam(make_params(), lr=1e-3, capturable=True, unbiased_moments=True)
+    for param in eager.param_groups[0]["params"]:
+        param.grad = torch.zeros_like(param)
+    eager.step(found_inf=torch.tensor(0.0), backoff=(0.5, 1e-7))
+    assert not eager.backed_off
 
 
 def test_perf_compile_optimizer_compiles_the_16_bit_hadam_only():

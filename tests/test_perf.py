@@ -214,6 +214,36 @@ def test_state_groups_follow_what_the_module_and_optimizers_hold():
     assert ratios["target"] == {"critic_target": None, "extra": None}
 
 
+def test_state_groups_share_out_a_flat_buffer_by_what_each_view_spans():
+    """hAdam's compiled step keeps a bucket's parameters as views into one buffer: each network
+    is charged the bytes of its own views, not the first one the whole buffer; an overlapping
+    view is not counted twice, and bytes no view spans stay with the first holder."""
+    from pixelsac.lowp import HAdam
+
+    class Agent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.actor = torch.nn.Linear(4, 8, dtype=torch.float16)
+            self.critic = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 1)).half()
+
+    agent = Agent()
+    critic = HAdam(agent.critic.parameters(), lr=1e-3, capturable=True, unbiased_moments=True, compiled=True)
+    actor = HAdam(agent.actor.parameters(), lr=1e-3, capturable=True, unbiased_moments=True, compiled=True)
+    for opt in (critic, actor):
+        for group in opt.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        opt.step(found_inf=torch.tensor(0.0))
+    assert agent.critic[0].weight.untyped_storage().data_ptr() == agent.critic[1].bias.untyped_storage().data_ptr()
+    groups = perf.state_groups(agent, [critic, actor])
+    assert groups["parameters"] == {"actor.weight": 64, "actor.bias": 16, "critic.0": 108, "critic.1": 14}
+    assert groups["optimizer"] == {"exp_avg": 202, "exp_avg_root": 202}
+    totals = state_bytes(agent, [critic, actor])
+    assert {kind: sum(g.values()) for kind, g in groups.items()} == {k: v for k, v in totals.items() if k != "total"}
+    whole = torch.zeros(10)
+    assert perf.meters._group_bytes([("a", whole[:6]), ("b", whole[4:8]), ("c", whole[2:5])]) == {"a": 24 + 8, "b": 8}
+
+
 def test_tensor_peak_meter_sees_what_an_update_allocates():
     x = torch.randn(1000)
     with perf.TensorPeakMeter() as meter:

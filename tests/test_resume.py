@@ -33,16 +33,20 @@ NATIVE_BF16 = native_half_kernels(torch.bfloat16)
         pytest.param(
             "bf16", marks=pytest.mark.skipif(NATIVE_BF16 is None, reason="this CPU has no native bf16 kernels")
         ),
+        "fp16-compiled",
     ],
 )
 def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path, precision):
     """fp16 + six: its checkpoint holds all that fp32's does and the loss scalers and Kahan
     buffers besides (fp32's resume is compared bit for bit in test_stopping's SIGTERM case);
-    bf16 where the CPU runs it on native kernels (the default there)."""
+    bf16 where the CPU runs it on native kernels (the default there); fp16 with the compiled hAdam
+    step, whose parameters and state are views into flat buffers when saved and loaded."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     # one thread each: the straight run and the first half run side by side on two cores, and the
     # sums' order (which follows the thread count) is the same in all three processes
-    args = [*TINY, f"precision={precision}", "train.num_threads=1"]
+    compiled = precision == "fp16-compiled"
+    mode = ["precision=fp16", "perf.compile_optimizer=true"] if compiled else [f"precision={precision}"]
+    args = [*TINY, *mode, "train.num_threads=1"]
     straight_run = start_cli(*args, f"train.env_frames={FULL}", f"run_dir={straight}", cwd=tmp_path)
     first = run_cli(*args, f"train.env_frames={HALF}", f"run_dir={split}", cwd=tmp_path)
     _, straight_err = straight_run.communicate(timeout=600)
@@ -53,6 +57,8 @@ def test_n_steps_resume_n_steps_equals_2n_straight(tmp_path, precision):
     assert f"resuming from {split / 'checkpoints' / 'last.ckpt'} at env frame {HALF}" in second.stdout
     if precision == "bf16":
         assert f"bf16: native kernels ({NATIVE_BF16})" in first.stdout + second.stdout
+    if compiled:
+        assert "compiled hAdam step" in first.stdout and "compiled hAdam step" in second.stdout
 
     a, b = weights(straight), weights(split)
     assert a["pixelsac"]["updates"] == b["pixelsac"]["updates"] > 0

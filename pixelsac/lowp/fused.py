@@ -167,20 +167,29 @@ def _elements(
 
 
 def _write(
-    decision: _Decision, exp_avg, exp_avg_root, param, kahan_comp, counts, new_avg, new_root, new_param, new_comp
-):
+    decision: _Decision, exp_avg, exp_avg_root, param, kahan_comp, counts, eps, backoff,
+    new_avg, new_root, new_param, new_comp,
+):  # fmt: skip
     take = decision.take
     if kahan_comp is not None:
         kahan_comp.copy_(torch.where(take, new_comp, kahan_comp))
-    exp_avg.copy_(torch.where(take, new_avg, exp_avg))
-    exp_avg_root.copy_(torch.where(take, new_root, exp_avg_root))
+    param.copy_(torch.where(take, new_param, param))
+    if backoff is None:
+        exp_avg.copy_(torch.where(take, new_avg, exp_avg))
+        exp_avg_root.copy_(torch.where(take, new_root, exp_avg_root))
+    else:  # a skipped step moves the state into the units of the backed-off scale: the scaler's rescale
+        factor = torch.where(take, torch.ones_like(backoff[0]), backoff[0])
+        dtype = exp_avg.dtype
+        exp_avg.copy_(torch.where(take, new_avg, (exp_avg.float() * factor).to(dtype)))
+        exp_avg_root.copy_(torch.where(take, new_root, (exp_avg_root.float() * factor).to(dtype)))
+        eps.copy_(torch.clamp_min(eps * factor, backoff[1]))
     counts.copy_(decision.counts_after)
-    return torch.where(take, new_param, param), decision.overflow
+    return decision.overflow
 
 
 def _step(
-    grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper
-) -> tuple[torch.Tensor, torch.Tensor]:
+    grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper, backoff
+) -> torch.Tensor:
     """The step in one pass over the bucket: each element finds its parameter (a ``bucketize`` of
     its position against ``layout``) and reads that parameter's values through it -- cheap on a
     GPU, where the table sits in cache; inductor's CPU loops do not vectorise such gathers
@@ -194,7 +203,7 @@ def _step(
         decision, exp_avg, param, kahan_comp, decision.root_corrections[owner], decision.step_sizes[owner],
         decision.keys[owner], decision.param_keys[owner], counter, eps,
     )  # fmt: skip
-    return _write(decision, exp_avg, exp_avg_root, param, kahan_comp, counts, *new)
+    return _write(decision, exp_avg, exp_avg_root, param, kahan_comp, counts, eps, backoff, *new)
 
 
 _compiled: dict[str, Any] = {}
@@ -209,7 +218,7 @@ def _compiled_step():
 
 
 @torch.library.custom_op(
-    "pixelsac_lowp::hadam_step", mutates_args=("exp_avg", "exp_avg_root", "kahan_comp", "counts")
+    "pixelsac_lowp::hadam_step", mutates_args=("exp_avg", "exp_avg_root", "param", "kahan_comp", "counts", "eps")
 )  # fmt: skip
 def step(
     grad: torch.Tensor,
@@ -223,35 +232,43 @@ def step(
     layout: torch.Tensor,
     eps: torch.Tensor,
     hyper: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    backoff: torch.Tensor | None,
+) -> torch.Tensor:
     """One unbiased hAdam step of a whole bucket (module docstring), on 1-D tensors in the
-    parameters' memory order: the joined gradient and parameters, and the bucket's flat state.
+    parameters' memory order: the joined gradient, and the bucket's flat parameters and state.
 
-    ``exp_avg``, ``exp_avg_root``, ``kahan_comp`` (None: stochastically rounded weights) and
-    ``counts`` (float32 step count per parameter) are updated in place, each only if the step is
-    taken; ``found_inf``: 0-dim, nonzero skips the step (its non-finite gradients count as 0);
-    ``stream_starts``: int64 ``mix_key(seed, index)`` per parameter; ``layout``:
-    :func:`layout_table`; ``eps``: 0-dim float32; ``hyper``: :func:`hyperparameters`. Returns the
-    new parameters (the old ones where the step is skipped) and the 0-dim bool "a new root moment
-    overflowed"."""
+    ``param``, ``exp_avg``, ``exp_avg_root``, ``kahan_comp`` (None: stochastically rounded
+    weights) and ``counts`` (float32 step count per parameter) are updated in place, each only if
+    the step is taken; ``found_inf``: 0-dim, nonzero skips the step (its non-finite gradients
+    count as 0); ``stream_starts``: int64 ``mix_key(seed, index)`` per parameter; ``layout``:
+    :func:`layout_table`; ``eps``: 0-dim float32; ``hyper``: :func:`hyperparameters`.
+
+    ``backoff``: None, or float32 ``[f, floor]``, a compound loss scaler's backoff factor and ε
+    floor: then the step also does what the scaler's rescale after it would (``rescale_state_``
+    by ``f`` if skipped, else 1) -- a skipped step multiplies ``exp_avg`` and ``exp_avg_root`` by
+    ``f`` (in float32, rounded once), and every step sets ``ε <- max(ε·f, floor)`` (``f`` = 1 if
+    taken) -- in the same pass, instead of another pass over the moments every step.
+
+    Returns the 0-dim bool "a new root moment overflowed"."""
     from torch._inductor import metrics  # (torch.compile's first call imports inductor anyway)
 
     before = metrics.generated_kernel_count
-    # a handful of graphs a run (Kahan or not, a skip flag or not, dtype, one element or more),
-    # but a process that builds many agents (a benchmark, the tests) may ask for more than
-    # dynamo's default limit of 8
+    # a handful of graphs a run (Kahan or not, a skip flag or not, a backoff or not, dtype, one
+    # element or more), but a process that builds many agents (a benchmark, the tests) may ask
+    # for more than dynamo's default limit of 8
     with torch._dynamo.config.patch(recompile_limit=64):
-        new_param, overflow = _compiled_step()(
-            grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper
-        )
+        overflow = _compiled_step()(
+            grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper,
+            backoff,
+        )  # fmt: skip
     if metrics.generated_kernel_count != before:  # compiled now: note this form's kernels
         _kernels["step"] = metrics.generated_kernel_count - before
-    return new_param, overflow
+    return overflow
 
 
 @step.register_fake
 def _(grad, exp_avg, exp_avg_root, param, *rest):
-    return torch.empty_like(param), torch.empty((), dtype=torch.bool, device=param.device)
+    return torch.empty((), dtype=torch.bool, device=param.device)
 
 
 def kernels_per_call() -> dict[str, int]:

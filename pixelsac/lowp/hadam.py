@@ -197,10 +197,11 @@ class HAdam(Optimizer):
             thread: 117 ms against 153 ms at 2^20); on a GPU every chunk costs ~30 kernel
             launches, so whole buckets.
         compiled: the unbiased step of a one-bucket optimizer as one op whose kernels
-            ``torch.compile`` generates (``fused.py``), the state kept in one flat buffer per
-            name: whole buckets (``chunk_numel`` unused), the same arithmetic and rounding streams,
-            but not bit for bit the eager step (an FMA in ATen's ``lerp``); compiled at the first
-            step (seconds); on a CPU slower than eager. The published arithmetic, float32/float64
+            ``torch.compile`` generates (``fused.py``), the parameters (their ``.data``) and the
+            state kept in one flat buffer per name and updated in place: whole buckets
+            (``chunk_numel`` unused), the same arithmetic and rounding streams, but not bit for
+            bit the eager step (an FMA in ATen's ``lerp``); compiled at the first step (seconds);
+            on a CPU slower than eager. The published arithmetic, float32/float64
             parameters and optimizers spanning several devices or dtypes stay eager.
 
     Op budget (what a GPU pays in launches): a sync-free step of one bucket with
@@ -255,9 +256,23 @@ class HAdam(Optimizer):
         self._layout_constants: dict[tuple, torch.Tensor] = {}  # see _constant
         self._flat_views: dict[int, tuple] = {}  # see _state_flats
         self._flat_states: dict[tuple, dict] = {}  # see _flat_state
+        self._flat_param_buffers: dict[tuple, tuple] = {}  # see _flat_params
         # Set by every step: True (or a 0-dim bool device tensor) when a new root moment or
         # denominator would not be finite and the step was therefore not applied.
         self.state_overflow: bool | torch.Tensor = False
+        # Set by every step: did it also apply the loss scaler's rescale it was given (``backoff``)?
+        self.backed_off = False
+        if self.compiled:  # the parameters into their flat buffers now (_flat_params says why)
+            for group in self.param_groups:
+                if not group["unbiased_moments"]:
+                    continue
+                buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+                for param in group["params"]:
+                    if param.dtype in (torch.float16, torch.bfloat16):
+                        buckets.setdefault((param.device, param.dtype), []).append(param)
+                for params in buckets.values():
+                    if all(_reads_channels_last(p) or p.is_contiguous() for p in params):
+                        self._flat_params(params)
 
     @staticmethod
     def chunk_for(device_type: str) -> int | None:
@@ -289,6 +304,7 @@ class HAdam(Optimizer):
         self,
         closure: Callable[[], torch.Tensor] | None = None,
         found_inf: torch.Tensor | None = None,
+        backoff: tuple[float, float] | None = None,
     ) -> torch.Tensor | None:
         """Take one hAdam step for every parameter that has a gradient.
 
@@ -297,6 +313,11 @@ class HAdam(Optimizer):
             found_inf: 0-dim tensor; when nonzero the step is skipped on the device (parameters,
                 moments, Kahan buffers and ``t`` bit-exactly unchanged). Needs ``capturable=True``
                 in every group; non-finite gradients count as 0 (published arithmetic: sanitised in place).
+            backoff: ``(f, floor)``, a compound loss scaler's backoff factor and ε floor, given
+                with ``found_inf``: the compiled step then also does the scaler's rescale after a
+                step (``rescale_state_`` by ``f`` if the step is skipped, by 1 if taken) in the
+                same pass and sets :attr:`backed_off` True; any other step ignores it and sets
+                :attr:`backed_off` False (the caller rescales).
 
         A step whose new state would overflow is not applied either (module docstring); it
         sets :attr:`state_overflow`.
@@ -311,8 +332,11 @@ class HAdam(Optimizer):
                 "cannot skip without reading the flag on the host"
             )
         work = self._gather()
+        self.backed_off = False
         if self._fused(work):  # (found_inf also tells it to count non-finite gradients as 0)
-            self._fused_step(*work[0], found_inf)
+            backoff = backoff if found_inf is not None else None  # (found_inf: capturable, checked above)
+            self._fused_step(*work[0], found_inf, backoff)
+            self.backed_off = backoff is not None
             return loss
         for group, bucket in work:  # a skipped step's gradients may hold inf/NaN; 0 keeps x_new finite
             bucket["sanitize"] = found_inf is not None
@@ -660,14 +684,50 @@ class HAdam(Optimizer):
         kahan = ["kahan_comp" in state for state in work[0][1]["states"]]
         return all(kahan) or not any(kahan)
 
+    @staticmethod
+    def _segments(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Consecutive views of the 1-D ``flat``, each with its parameter's shape and strides
+        (a channels-last weight's view is NHWC in memory, NCHW in shape)."""
+        views, start = [], 0
+        for param in params:
+            part = flat[start : start + param.numel()]
+            if _reads_channels_last(param):
+                batch, channels, height, width = param.shape
+                part = part.view(batch, height, width, channels).permute(0, 3, 1, 2)
+            elif param.is_contiguous():
+                part = part.view(param.shape)
+            else:
+                raise RuntimeError(f"HAdam(compiled=True): unsupported tensor layout {tuple(param.stride())}")
+            views.append(part)
+            start += param.numel()
+        return views
+
+    def _flat_params(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """One 1-D buffer holding ``params``, each parameter's ``.data`` a view into it (the
+        same objects, the same strides: what modules, autograd and other code hold is unchanged).
+        Made when the optimizer is built -- before any memory meter, data-parallel wrapper or
+        CUDA graph sees the parameters -- and again at a step that finds a parameter given other
+        storage since (``module.to(...)``, a bucket of other parameters): the values copied in."""
+        key = tuple(id(param) for param in params)
+        cached = self._flat_param_buffers.get(key)
+        if cached is not None and all(param.data_ptr() == ptr for param, ptr in zip(params, cached[1])):
+            return cached[0]
+        flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        for param, part in zip(params, self._segments(flat, params)):
+            part.copy_(param.detach())
+            param.data = part
+        self._flat_param_buffers[key] = (flat, [param.data_ptr() for param in params])
+        return flat
+
     def _flat_state(self, bucket: dict[str, Any], capturable: bool) -> dict[str, torch.Tensor]:
-        """The bucket's state as one 1-D tensor per name (and, with device step counts, one
-        float32 vector of them), each parameter's state a view into it in the parameter's memory
-        order, so the compiled step reads and writes it whole: no ``cat``, no copy back. Made at
-        the first step, and again when a state tensor was replaced (``load_state_dict``, a change
-        of memory format): the values are copied in, the state dicts given the views."""
+        """The bucket's parameters (:meth:`_flat_params`) and state as one 1-D tensor per name
+        (and, with device step counts, one float32 vector of them), each state tensor a view
+        into it in the parameter's memory order, so the compiled step reads and writes them
+        whole: no ``cat``, no copy back. Made at the first step, and again when a state tensor
+        was replaced (``load_state_dict``, a change of memory format): the values are copied in."""
         params, states = bucket["params"], bucket["states"]
         names = ("exp_avg", "exp_avg_root", "kahan_comp")[: 3 if "kahan_comp" in states[0] else 2]
+        flat_param = self._flat_params(params)
         key = tuple(id(param) for param in params)
         cached = self._flat_states.get(key)
         if (
@@ -675,23 +735,14 @@ class HAdam(Optimizer):
             and all(state[name] is view for name in names for state, view in zip(states, cached["views"][name]))
             and (not capturable or all(state["step"] is view for state, view in zip(states, cached["views"]["step"])))
         ):
-            return cached["flat"]
-        total = sum(param.numel() for param in params)
+            return {**cached["flat"], "param": flat_param}
         flat, views = {}, {}
         for name in names:
-            flat[name] = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
-            views[name], start = [], 0
-            for param, state in zip(params, states):
-                part = flat[name][start : start + param.numel()]
-                if _reads_channels_last(param):  # NHWC in memory, NCHW in shape: the parameter's strides
-                    batch, channels, height, width = param.shape
-                    part = part.view(batch, height, width, channels).permute(0, 3, 1, 2)
-                else:
-                    part = part.view(param.shape)
+            flat[name] = torch.empty_like(flat_param)
+            views[name] = self._segments(flat[name], params)
+            for part, state in zip(views[name], states):
                 part.copy_(state[name])
                 state[name] = part
-                views[name].append(part)
-                start += param.numel()
         if capturable:
             flat["step"] = torch.stack([state["step"].to(params[0].device) for state in states])
             views["step"] = []
@@ -699,25 +750,34 @@ class HAdam(Optimizer):
                 state["step"] = flat["step"][index]
                 views["step"].append(state["step"])
         self._flat_states[key] = {"flat": flat, "views": views}
-        return flat
+        return {**flat, "param": flat_param}
 
-    def _fused_step(self, group: dict[str, Any], bucket: dict[str, Any], found_inf: torch.Tensor | None) -> None:
-        """One step of the bucket as :func:`fused.step`: gradients and parameters joined (one
-        ``cat`` each), state updated in place in its flat buffers, parameters split back."""
+    def _fused_step(
+        self,
+        group: dict[str, Any],
+        bucket: dict[str, Any],
+        found_inf: torch.Tensor | None,
+        backoff: tuple[float, float] | None,
+    ) -> None:
+        """One step of the bucket as :func:`fused.step`: the gradients joined (one ``cat``),
+        parameters and state updated in place in their flat buffers; with ``backoff``, the
+        scaler's rescale too (:meth:`step`)."""
         beta1, beta2 = group["betas"]
         params, states, indices = bucket["params"], bucket["states"], bucket["indices"]
         device = params[0].device
         capturable = group.get("capturable", False)
         flat = self._flat_state(bucket, capturable)
         kahan = "kahan_comp" in flat
-        param_views = [self._state_flats(param, state, False)["param"] for param, state in zip(params, states)]
         grad = self._joined([_flat(grad, like=param) for grad, param in zip(bucket["grads"], params)])
         if capturable:
             counts = flat["step"]
         else:  # host counts: a vector of this step's counts (the host adds 1 to each if the step is taken)
             counts = torch.tensor([state["step"] for state in states], dtype=torch.float32, device=device)
         eps = group["eps"]
-        if torch.is_tensor(eps):
+        if backoff is not None and not (torch.is_tensor(eps) and eps.device == device):
+            # the step rescales ε in place: the group's own device tensor, as rescale_state_ keeps it
+            eps = group["eps"] = torch.tensor(float(eps), dtype=torch.float32, device=device)
+        elif torch.is_tensor(eps):
             eps = eps.to(device)
         else:
             eps = self._constant(device, ("eps", float(eps)), lambda key, dev: torch.tensor(key[1], device=dev))
@@ -730,12 +790,16 @@ class HAdam(Optimizer):
         hyper = self._constant(
             device, ("hyper", float(group["lr"]), beta1, beta2), lambda key, dev: fused.hyperparameters(*key[1:], dev)
         )
-        new_param, overflow = fused.step(
-            grad, flat["exp_avg"], flat["exp_avg_root"], self._joined(param_views),
-            flat["kahan_comp"] if kahan else None, counts, None if found_inf is None else found_inf.to(device),
-            stream_starts, layout, eps, hyper,
+        if backoff is not None:
+            backoff = self._constant(
+                device, ("backoff", *map(float, backoff)), lambda key, dev: torch.tensor(key[1:], device=dev)
+            )
+        overflow = fused.step(
+            grad, flat["exp_avg"], flat["exp_avg_root"], flat["param"], flat["kahan_comp"] if kahan else None,
+            counts, None if found_inf is None else found_inf.to(device), stream_starts, layout, eps, hyper, backoff,
         )  # fmt: skip
-        self._write(param_views, new_param, None, None, [param.numel() for param in params])
+        # changed in place through the flat buffer: tell autograd, as an in-place op on each would
+        torch.autograd.graph.increment_version(params)
         if capturable:
             self.state_overflow = overflow
         else:

@@ -30,6 +30,10 @@ count and the step counters are 0-dim device tensors and the skip is decided on 
     ok = (found_inf == 0) and not optimizer.state_overflow;  f = ok ? 1 : backoff_factor
     S *= f;  state *= f;  ε = max(ε·f, floor);  clean = (clean + 1)·ok
 
+HAdam's compiled step (``HAdam(compiled=True)``) is handed ``(backoff_factor, floor)`` and does
+``state *= f; ε = max(ε·f, floor)`` in its own pass (``backed_off``), the same bits without
+another pass over the moments each step.
+
 Growth needs ``clean > growth_interval``, which cannot happen before ``growth_interval + 1 -
 clean`` more steps; the host counts steps and reads ``clean`` only then (one synchronisation per
 ~growth_interval steps, and a growth at exactly the step the host-side rule would grow).
@@ -397,14 +401,18 @@ class CompoundLossScaler:
         peak: torch.Tensor | None = None,
     ) -> torch.Tensor:
         counts = self._device_state(found_inf.device)
-        optimizer.step(found_inf=found_inf)
+        if isinstance(optimizer, HAdam):  # its compiled step rescales in its own pass (backed_off)
+            optimizer.step(found_inf=found_inf, backoff=(self.backoff_factor, self.eps_floor))
+        else:
+            optimizer.step(found_inf=found_inf)
         skipped = (found_inf > 0) | _state_overflow_flag(optimizer, found_inf.device)
         self._record(peaks, skipped, peak)
         factor = self._one.masked_fill(skipped, self.backoff_factor)  # 1, or the backoff (float32)
         if self._interval_peak is not None:  # in the units of the (possibly halved) scale
             self._interval_peak.mul_(factor)
         counts["scale"].mul_(factor)
-        optimizer.rescale_state_(factor, eps_floor=self.eps_floor)
+        if not getattr(optimizer, "backed_off", False):
+            optimizer.rescale_state_(factor, eps_floor=self.eps_floor)
         taken = ~skipped
         # a bool adds and multiplies as 0/1 into the int64 counts: no cast of its own
         counts["skipped_steps"].add_(skipped)

@@ -394,15 +394,30 @@ def module_state_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _group_bytes(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-    """Bytes per group name, each storage counted once, in the first group that holds it."""
-    seen: set[Any] = set()
+    """Bytes per group name, each storage counted once. A storage that the listed tensors view in
+    several places (hAdam's compiled step keeps a bucket's parameters, and each state tensor, as
+    views into one flat buffer) is shared out by the bytes each view spans (an overlap counted
+    once); what no view spans goes to the first group holding it."""
     groups: dict[str, int] = {}
+    storages: dict[Any, tuple[int, str, dict[tuple[int, int], str]]] = {}
     for group, tensor in named:
         key, nbytes, _ = _storage(tensor)
         groups.setdefault(group, 0)
-        if key not in seen:
-            seen.add(key)
-            groups[group] += nbytes
+        _, _, spans = storages.setdefault(key, (nbytes, group, {}))
+        span = (tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size())
+        spans.setdefault(span, group)
+    for nbytes, first, spans in storages.values():
+        if len(spans) == 1:
+            groups[first] += nbytes
+            continue
+        covered, reached = 0, None
+        for (start, end), group in sorted(spans.items()):
+            start = start if reached is None else max(start, reached)
+            if end > start:
+                groups[group] += end - start
+                covered += end - start
+                reached = end
+        groups[first] += max(nbytes - covered, 0)
     return {group: nbytes for group, nbytes in groups.items() if nbytes}
 
 
