@@ -395,6 +395,7 @@ class PrecisionPolicy:
             check_every_update=not self.sync_free,
             derived_target=self.derived_target,
             adaptive_scale=self.adaptive_target_scale,
+            chunk_numel=lowp.HAdam.chunk_for(self.device_type),  # cache-sized passes on a CPU, whole on a GPU
         )
 
     def distribution(self, mu: torch.Tensor, log_std: torch.Tensor) -> lowp.SquashedNormal:

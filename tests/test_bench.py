@@ -144,7 +144,12 @@ def test_sync_free_is_measured_on_and_off(tmp_path):
     assert int(off["fp16"]["host_reads_full"]) >= 3 and int(off["fp16"]["host_reads_critic"]) >= 1
     assert float(on["fp32"]["ops_vs_fp32"]) == 1.0
     assert float(on["fp16"]["ops_vs_fp32"]) == pytest.approx(int(on["fp16"]["ops_full"]) / int(on["fp32"]["ops_full"]))
-    assert "What one update dispatches" in text and "| aten ops | ops × fp32 (full) | casts | host reads |" in text
+    assert float(on["fp16"]["kernels_vs_fp32"]) == pytest.approx(
+        int(on["fp16"]["kernels_full"]) / int(on["fp32"]["kernels_full"])
+    )
+    assert all(int(r["ops_full"]) > int(r["kernels_full"]) > 0 for r in rows)  # views launch nothing
+    assert "What one update dispatches" in text
+    assert "| aten ops | ops × fp32 (full) | kernels | kernels × fp32 (full) | casts | host reads |" in text
 
 
 def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pixelsac.lowp import KahanEMA
+from pixelsac.lowp import HAdam, KahanEMA
 
 F16, F64 = torch.float16, torch.float64
 K = 1e4
@@ -377,3 +377,74 @@ def test_adaptive_scale_in_bf16_keeps_k():
     ema = KahanEMA(source, target, scale=K, adaptive_scale=True)
     ema.update_(TAU)
     assert float(ema.tensor_scales()[0]) == K
+
+
+class _Critic(nn.Module):
+    """A conv weight (channels-last, read in NHWC order), its bias and a small head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.head = nn.Linear(6, 2)
+
+
+@pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "passes-of-7"])
+@pytest.mark.parametrize("one_buffer", [False, True], ids=["separate-source", "source-in-one-buffer"])
+@pytest.mark.parametrize("derived", [True, False], ids=["derived", "stored"])
+def test_one_flat_buffer_per_kind_gives_the_per_tensor_forms_bits_in_a_few_kernels(
+    derived, one_buffer, chunk, monkeypatch
+):
+    """θ̄_S and c as views into one buffer each (the default where the parameters share a dtype):
+    60 adaptive updates of a source that grows through the headroom (so the shifts change and the
+    scaled copies are rescaled) give, bit for bit, the per-tensor form's buffers, shifts and
+    target; a buffer given other storage is copied back in. A source that lies in one buffer (as
+    hAdam's compiled step keeps the critic) is read in place, not joined; passes of 7 elements
+    (a CPU's cache-sized passes, across parameter boundaries) change no bit. On CUDA the per-tensor form runs its
+    per-parameter scales tensor by tensor (the counter's model says how many kernels); the flat
+    form runs none so. (Both multiply by the float32 τ; a CPU's in-place foreach would round it
+    to fp16 first.)"""
+    from pixelsac.perf.dispatch import DispatchCount
+
+    def run(flat: bool):
+        torch.manual_seed(0)
+        source = _Critic().half()
+        if one_buffer:
+            HAdam(source.parameters(), lr=1e-3, unbiased_moments=True, compiled=True)  # moves them into one
+        target = None if derived else _Critic().half()
+        ema = KahanEMA(
+            source, target, scale=K, derived_target=derived, adaptive_scale=True, check_every_update=False,
+            chunk_numel=chunk,
+        )  # fmt: skip
+        if not flat:
+            monkeypatch.setattr(ema, "_flat_buffers", lambda: None)
+        counts = []
+        for step in range(60):
+            with torch.no_grad():
+                for param in source.parameters():
+                    param.mul_(1.1).add_(torch.randn_like(param) * 0.01)  # |θ| grows past H/K = 1.64
+            if step == 30 and flat:
+                name = next(iter(ema.scaled_params._buffers))
+                setattr(ema.scaled_params, name, ema.scaled_params._buffers[name].clone())  # elsewhere now
+            with DispatchCount(sites=False) as count:
+                ema.update_(TAU)
+            counts.append(count)
+        return ema, counts
+
+    flat_ema, flat_counts = run(True)
+    tensor_ema, tensor_counts = run(False)
+    assert int(tensor_ema.scale_shifts.min()) < 0  # the scales moved
+    for name, value in tensor_ema.state_dict().items():
+        assert torch.equal(flat_ema.state_dict()[name], value), name
+    for a, b in zip(flat_ema.target_parameters(), tensor_ema.target_parameters()):
+        assert torch.equal(a, b)
+    flat = flat_ema._flat
+    scaled, comps = flat_ema._buffers_in_order()
+    assert all(t.untyped_storage().data_ptr() == flat["scaled"].untyped_storage().data_ptr() for t in scaled)
+    assert all(t.untyped_storage().data_ptr() == flat["comps"].untyped_storage().data_ptr() for t in comps)
+    assert scaled[0].is_contiguous(memory_format=torch.channels_last)
+    assert all(not c.per_tensor for c in flat_counts)
+    assert (flat["source"] is not None) == one_buffer  # read in place
+    assert all(("aten.cat.default" in c.ops) != one_buffer for c in flat_counts)
+    assert all(sum(c.per_tensor.values()) >= 3 * 4 for c in tensor_counts)  # θ̄_S, c and K_i·θ: 4 tensors each
+    if chunk is None:
+        assert flat_counts[-1].kernels < tensor_counts[-1].kernels

@@ -317,3 +317,41 @@ def test_gradients_of_two_dtypes_are_checked_elementwise():
     scaler = CompoundLossScaler()
     found, _, peak = scaler._check_gradients(torch.optim.Adam(params, lr=1e-3))
     assert peak is None and float(found) == 0.0
+
+
+@pytest.mark.parametrize("backoff", [0.5, 0.3])
+def test_the_sync_free_rescale_of_fp16_moments_is_one_multi_tensor_op_when_the_backoff_is_exact(backoff):
+    """A skipped sync-free step multiplies every moment by the backoff: with 0.5 (exact in fp16)
+    the factor goes in the moments' dtype and CUDA's one-kernel route takes the list (the counter
+    models it); with 0.3 it stays fp32, rounded once per product, and CUDA loops per tensor. The
+    bits are the fp32 factor's either way (tested against it)."""
+    from pixelsac.perf.dispatch import DispatchCount
+
+    def run(state_factor: bool):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s).half()) for s in ((4, 3), (3,), (2, 2))]
+        opt = HAdam(params, lr=1e-3, capturable=True, unbiased_moments=True, eps=1e-4)
+        scaler = CompoundLossScaler(init_scale=2.0**10, backoff_factor=backoff, sync_free=True)
+        if not state_factor:
+            scaler._state_factor = lambda factor, skipped, optimizer: factor
+        counts = []
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn_like(p) * (float("inf") if step == 2 and p is params[0] else 1.0)
+            with DispatchCount() as count:
+                scaler.step(opt)
+            counts.append(count)
+        return params, opt, counts
+
+    params, opt, counts = run(True)
+    reference, ref_opt, _ = run(False)
+    for a, b in zip(params, reference):
+        assert torch.equal(a.detach(), b.detach())
+        for key in ("exp_avg", "exp_avg_root"):
+            assert torch.equal(opt.state[a][key], ref_opt.state[b][key])
+    assert float(opt.state[params[0]]["step"]) == 3.0  # the skip happened
+    looped = [dict(c.per_tensor) for c in counts]
+    if backoff == 0.5:
+        assert looped == [{}] * 4, looped
+    else:
+        assert all(c.get("aten._foreach_mul_.Tensor") == 6 for c in looped), looped

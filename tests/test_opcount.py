@@ -30,6 +30,36 @@ def test_a_cast_converts_dtypes_and_nothing_else_is_one():
     assert count.cast_sites and count.host_reads == 0
 
 
+def test_a_foreach_op_that_cuda_loops_over_counts_once_per_tensor():
+    """ATen's CUDA fast-route test, modelled on any device: one multi-tensor kernel where every
+    tensor shares a dtype (a copy may cast) and is dense, paired tensors share shapes and strides,
+    and a 0-dim tensor operand has the lists' dtype; else a kernel per tensor."""
+    a, b = [torch.ones(3), torch.ones(2, 2)], [torch.ones(3), torch.ones(2, 2)]
+    half = [t.half() for t in a]
+    nhwc = torch.ones(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    nchw, strided = nhwc.contiguous(), [torch.ones(6)[::2], a[1]]
+    two, half_factor, scales = torch.tensor(2.0), torch.tensor(0.5), [torch.tensor(2.0), torch.tensor(3.0)]
+    with DispatchCount() as count:
+        torch._foreach_mul(a, b)  # 1
+        torch._foreach_mul(a, 2.0)  # 1
+        torch._foreach_mul(a, two)  # 1: a 0-dim tensor of the lists' dtype
+        torch._foreach_copy_(half, a)  # 1: a copy casts as it goes
+        torch._foreach_norm(a, float("inf"))  # 1
+        torch._foreach_mul(half, half_factor)  # 2: an fp32 factor for fp16 tensors
+        torch._foreach_mul(a, scales)  # 2: a list of 0-dim scales
+        torch._foreach_add(a, half)  # 2: two dtypes
+        torch._foreach_norm(a, 3)  # 2: an order the kernel lacks
+        torch._foreach_mul([nhwc, nhwc], [nchw, nhwc])  # 2: the first pair's strides differ
+        torch._foreach_mul(strided, 2.0)  # 2: a strided view is not dense
+    assert count.total == 11, dict(count.ops)  # aten ops: each foreach op once
+    assert count.kernels == 5 + 6 * 2
+    assert sum(count.per_tensor.values()) == sum(count.per_tensor_sites.values()) == 12
+    with DispatchCount() as views:
+        a[1].view(-1), a[1].t(), a[1].detach(), torch.empty(3)  # views and an allocation: no kernel
+        a[1].clone()  # a copy: one
+    assert views.total == 5 and views.kernels == 1
+
+
 def test_host_reads_are_counted_where_they_happen():
     with DispatchCount() as count:
         torch._foreach_add_([torch.zeros(3)], torch.ones(()))  # the Scalar overload reads the 0-dim tensor

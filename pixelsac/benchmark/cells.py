@@ -124,8 +124,9 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
 
 
 def _dispatch_counts(cfg: Any, spec: CellSpec) -> dict[str, Any]:
-    """The cell's update counted in the GPU's form (:mod:`pixelsac.perf.opcount`): aten ops, dtype
-    casts and host reads per full and per critic-only update (None where a kind never ran)."""
+    """The cell's update counted in the GPU's form (:mod:`pixelsac.perf.opcount`): aten ops, the
+    kernel estimate, dtype casts and host reads per full and per critic-only update (None where a
+    kind never ran)."""
     from pixelsac.perf.opcount import count_update_ops
 
     counts = count_update_ops(to_plain(cfg), tuple(spec.obs_shape), spec.action_dim, device=spec.device)
@@ -133,6 +134,7 @@ def _dispatch_counts(cfg: Any, spec: CellSpec) -> dict[str, Any]:
     for kind, suffix in (("full", "full"), ("critic-only", "critic")):
         each = counts.get(kind)
         row[f"ops_{suffix}"] = each.ops if each else None
+        row[f"kernels_{suffix}"] = each.kernels if each else None
         row[f"casts_{suffix}"] = each.casts if each else None
         row[f"host_reads_{suffix}"] = each.host_reads if each else None
         row[f"casts_by_dtypes_{suffix}"] = each.casts_by_dtypes if each else None

@@ -48,6 +48,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         same_kind = ok and fp32["peak_mem_kind"] == row["peak_mem_kind"]
         row["peak_vs_fp32"] = ratio(row["peak_mem_bytes"], fp32["peak_mem_bytes"]) if same_kind else None
         row["ops_vs_fp32"] = ratio(row.get("ops_full"), fp32.get("ops_full")) if ok else None
+        row["kernels_vs_fp32"] = ratio(row.get("kernels_full"), fp32.get("kernels_full")) if ok else None
     return rows
 
 
@@ -95,6 +96,9 @@ CSV_COLUMNS = (
     "ops_full",
     "ops_critic",
     "ops_vs_fp32",
+    "kernels_full",
+    "kernels_critic",
+    "kernels_vs_fp32",
     "casts_full",
     "casts_critic",
     "host_reads_full",
@@ -186,17 +190,20 @@ def _dispatch_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "What one update dispatches, in the form a GPU runs it (counted on the cell's device, eager, at small "
         "sizes, which change no count; sync-free unless the cell says host_sync, no CPU emulation, CUDA's "
-        "default shift; pixelsac/perf/opcount.py): aten ops (a GPU launches about one kernel per op, views "
-        "excepted), dtype casts (ops that only convert), host reads (device-to-host synchronisations); full "
-        "update (critic, actor, temperature, target) / critic-only:",
+        "default shift; pixelsac/perf/opcount.py): aten ops (views included), kernels (an estimate of the "
+        "GPU's launches: views and allocations left out, a foreach op that CUDA runs tensor by tensor counted "
+        "per tensor, pixelsac/perf/dispatch.py), dtype casts (ops that only convert), host reads "
+        "(device-to-host synchronisations); full update (critic, actor, temperature, target) / critic-only:",
         "",
-        "| mode | variant | batch | aten ops | ops × fp32 (full) | casts | host reads |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | variant | batch | aten ops | ops × fp32 (full) | kernels | kernels × fp32 (full) | casts "
+        "| host reads |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in ok:
         lines.append(
             f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | {pair(r, 'ops')} | "
-            f"{_fmt(r.get('ops_vs_fp32'), '.2f')} | {pair(r, 'casts')} | {pair(r, 'host_reads')} |"
+            f"{_fmt(r.get('ops_vs_fp32'), '.2f')} | {pair(r, 'kernels')} | {_fmt(r.get('kernels_vs_fp32'), '.2f')} | "
+            f"{pair(r, 'casts')} | {pair(r, 'host_reads')} |"
         )
     return lines
 

@@ -42,6 +42,20 @@ number of the first target update after which ``θ̄_S`` held a NaN or inf (``fi
 synchronisation: do it where the host waits anyway, and the failure is still pinned to the
 update where it happened.
 
+One buffer per kind (beyond the paper). The per-parameter scales ``K_i`` multiply
+each tensor by its own 0-dim device value, and CUDA runs a foreach op over such a list tensor by
+tensor (its multi-tensor kernel needs the operands of one shape): ~4 kernels per parameter per
+update, 96 for DrQ's critic. So where the parameters share a dtype and a device, ``θ̄_S`` and ``c``
+are views into one flat buffer each, in the parameters' memory order (the ``state_dict`` keys
+and values are unchanged); the source is joined once, or read in place when it already lies in
+one buffer in this order (hAdam's compiled step keeps it so); and an update is a handful of
+whole-buffer ops with the scales spread over the elements (``repeat_interleave``: a float32 value
+per element while a pass runs, so a CPU takes the buffers in cache-sized passes, ``chunk_numel``,
+and a GPU whole): the same products, each rounded once, as CUDA's per-tensor
+form rounds them. (On a CPU the per-tensor form multiplied by τ rounded to fp16 -- torch's
+in-place foreach rounds a Python scalar to the tensors' dtype there, 0.005 to 0.0050011 -- and
+now multiplies out of place by the float32 τ, as the flat form and CUDA do.)
+
 Derived target (``derived_target=True``; a memory saving beyond the paper): ``θ̄ = θ̄_S / K`` is
 a function of state already kept, so it need not be stored. The target network is then evaluated
 by running the *source* network with the parameters ``θ̄_S / K`` substituted
@@ -56,6 +70,7 @@ stored copy).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,6 +79,7 @@ from torch.func import functional_call
 
 from .finite import all_finite
 from .kahan import kahan_add_
+from .layout import flat_view, segment_views
 
 __all__ = ["KahanEMA"]
 
@@ -129,6 +145,9 @@ class KahanEMA(nn.Module):
             the tensor's peak before each update so that ``K_i·θ`` keeps ``headroom`` of the
             dtype's range (module docstring). False is the published single K.
         headroom: the fraction of the dtype's largest value that ``|K_i·θ|`` may reach.
+        chunk_numel: elements per pass of the flat update (module docstring), which bounds its
+            float32 temporaries to ``4·chunk_numel`` bytes each; None: the whole buffer at once
+            (a GPU, where every pass is a launch). The result does not depend on it, bit for bit.
 
     With ``compensated=True`` the buffers ``scaled_params.<name>`` (θ̄_S) and
     ``kahan_comp.<name>`` (c) are registered on this module, in the parameters' dtype, so they
@@ -154,6 +173,7 @@ class KahanEMA(nn.Module):
         derived_target: bool = False,
         adaptive_scale: bool = False,
         headroom: float = 0.25,
+        chunk_numel: int | None = None,
     ) -> None:
         super().__init__()
         if not scale > 0:
@@ -177,6 +197,8 @@ class KahanEMA(nn.Module):
         self.check_every_update = bool(check_every_update)
         self.adaptive_scale = bool(adaptive_scale)
         self.headroom = float(headroom)
+        self._flat: dict[str, Any] | None = None  # see _flat_buffers
+        self.chunk_numel = None if chunk_numel is None else int(chunk_numel)
 
         source_named = list(source.named_parameters())
         target_named = list(target.named_parameters())
@@ -224,6 +246,7 @@ class KahanEMA(nn.Module):
                     self.scaled_params.register_buffer(buffer_name, scaled)
                     self.kahan_comp.register_buffer(buffer_name, torch.zeros_like(src))
             self._register_load_state_dict_pre_hook(_fill_missing_buffers, with_module=True)
+            self._flat_buffers()
             self.check_finite()
         if self.derived_target:
             # 0 until the first update_ (the target is θ itself then), 1 after; a buffer so that a
@@ -279,9 +302,102 @@ class KahanEMA(nn.Module):
     # --- the target network -------------------------------------------------------------------
     def _derived(self) -> list[torch.Tensor]:
         """``θ̄_i = θ̄_S,i / K_i``: one rounding of the exact quotient (K_i is a power of two
-        times K), the same bits wherever it is computed."""
+        times K), the same bits wherever it is computed (views into one buffer where the scaled
+        copy is one: :meth:`_flat_buffers`)."""
+        flat = self._flat_buffers()
         scaled, _ = self._buffers_in_order()
-        return list(torch._foreach_div(scaled, list(self.tensor_scales().unbind())))
+        if flat is None:
+            return list(torch._foreach_div(scaled, list(self.tensor_scales().unbind())))
+        derived = torch.empty_like(flat["scaled"])
+        for scale, scaled_part, derived_part in self._passes(flat, self.tensor_scales(), flat["scaled"], derived):
+            torch.div(scaled_part, scale, out=derived_part)  # float32 quotients, each rounded once
+        return segment_views(derived, scaled)
+
+    # --- one buffer per kind ------------------------------------------------------------------
+    def _flat_buffers(self) -> dict[str, Any] | None:
+        """``θ̄_S`` and ``c`` as one 1-D buffer each, every parameter's buffer a view into it in
+        the parameter's memory order (module docstring), or None where the buffers differ in
+        dtype or device (the per-tensor form then). Made at construction and again when a buffer
+        was given other storage since (``.to(...)``, a load that replaced it): the values copied in."""
+        if not self.compensated or not self.param_names:
+            return None
+        scaled, comps = self._buffers_in_order()
+        cached = self._flat
+        if cached is not None and [t.data_ptr() for t in (*scaled, *comps)] == cached["where"]:
+            return cached
+        first = scaled[0]
+        if any(t.dtype != first.dtype or t.device != first.device for t in (*scaled, *comps)):
+            self._flat = None
+            return None
+        names = [_buffer_name(name) for name in self.param_names]
+        total = sum(t.numel() for t in scaled)
+        flats = {}
+        for kind, bag, tensors in (("scaled", self.scaled_params, scaled), ("comps", self.kahan_comp, comps)):
+            flats[kind] = torch.empty(total, dtype=first.dtype, device=first.device)
+            for name, view, tensor in zip(names, segment_views(flats[kind], tensors), tensors):
+                view.copy_(tensor)
+                setattr(bag, name, view)  # the registered buffer, now a view
+        scaled, comps = self._buffers_in_order()
+        self._flat = {
+            **flats,
+            "numels": torch.tensor([t.numel() for t in scaled], dtype=torch.int64, device=first.device),
+            "numels_host": [t.numel() for t in scaled],
+            "total": total,
+            "where": [t.data_ptr() for t in (*scaled, *comps)],
+            "source": None,  # see _joined_source
+        }
+        return self._flat
+
+    def _passes(self, flat: dict[str, Any], values: torch.Tensor, *tensors: torch.Tensor) -> Iterator[tuple]:
+        """The flat buffers in passes of at most ``chunk_numel`` elements: for each pass, the
+        per-parameter ``values`` spread over its elements (float32, ``repeat_interleave``) and
+        the pass's part of each of ``tensors`` (the tensors themselves in a single pass)."""
+        plans = flat.setdefault("plans", {})
+        if self.chunk_numel not in plans:
+            plans[self.chunk_numel] = self._plan(flat["numels_host"], self.chunk_numel, flat["numels"].device)
+        plan = plans[self.chunk_numel]
+        if len(plan) == 1:
+            yield (torch.repeat_interleave(values, plan[0][4], output_size=flat["total"]), *tensors)
+            return
+        for start, end, first, last, counts in plan:
+            spread = torch.repeat_interleave(values[first:last], counts, output_size=end - start)
+            yield (spread, *(tensor[start:end] for tensor in tensors))
+
+    @staticmethod
+    def _plan(numels: list[int], chunk: int | None, device: torch.device) -> list[tuple]:
+        """``(start, end, first parameter, last parameter + 1, elements of each in the pass)``
+        per pass; the counts a device tensor, made once."""
+        total = sum(numels)
+        chunk = total if chunk is None else max(1, chunk)
+        bounds = [0]
+        for numel in numels:
+            bounds.append(bounds[-1] + numel)
+        passes = []
+        for start in range(0, total, chunk):
+            end = min(start + chunk, total)
+            first = next(i for i in range(len(numels)) if bounds[i + 1] > start)
+            last = next(i for i in range(first, len(numels)) if bounds[i + 1] >= end) + 1
+            counts = [min(end, bounds[i + 1]) - max(start, bounds[i]) for i in range(first, last)]
+            passes.append((start, end, first, last, torch.tensor(counts, dtype=torch.int64, device=device)))
+        return passes
+
+    def _joined_source(self, sources: list[torch.Tensor], scaled: list[torch.Tensor], flat: dict[str, Any]) -> Any:
+        """θ as one 1-D tensor in the buffers' order: a view of the buffer the parameters already
+        lie in back to back, with the buffers' strides (kept while they stay there), else one ``cat``."""
+        where = [param.data_ptr() for param in sources]
+        if flat["source"] is not None and flat["source"][1] == where:
+            return flat["source"][0]
+        first, size = sources[0], sources[0].element_size()
+        in_place = all(
+            param.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and param.stride() == buffer.stride()
+            for param, buffer in zip(sources, scaled)
+        ) and all(ptr == where[0] + size * sum(t.numel() for t in sources[:i]) for i, ptr in enumerate(where))
+        if not in_place:
+            return torch.cat([flat_view(param.detach(), like=buffer) for param, buffer in zip(sources, scaled)])
+        joined = first.detach().as_strided((flat["total"],), (1,), first.storage_offset())
+        flat["source"] = (joined, where)
+        return joined
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the target network θ̄ (derived from ``θ̄_S / K`` when it is not stored)."""
@@ -346,6 +462,7 @@ class KahanEMA(nn.Module):
             torch._foreach_mul_(increments, tau)
             torch._foreach_add_(targets, increments)
             return
+        flat = self._flat_buffers()
         scaled, comps = self._buffers_in_order()
         scales = self.tensor_scales()
         if self.adaptive_scale and sources:
@@ -353,19 +470,40 @@ class KahanEMA(nn.Module):
             peaks = _peaks([*sources, *scaled]).view(2, count)  # max|θ_i|, then max|θ̄_S,i|
             shifts = self._shifts_for(torch.maximum(peaks[0], peaks[1] / scales), sources[0].dtype)
             new_scales = torch.exp2(shifts.float()).mul_(self.scale)
-            factors = list((new_scales / scales).unbind())  # powers of two: 1 where a tensor keeps its scale
-            torch._foreach_mul_(scaled, factors)
-            torch._foreach_mul_(comps, factors)
+            factors = new_scales / scales  # powers of two: 1 where a tensor keeps its scale
+            if flat is None:
+                per_tensor = list(factors.unbind())
+                torch._foreach_mul_(scaled, per_tensor)
+                torch._foreach_mul_(comps, per_tensor)
+            else:
+                for factor, scaled_part, comps_part in self._passes(flat, factors, flat["scaled"], flat["comps"]):
+                    scaled_part.mul_(factor)
+                    comps_part.mul_(factor)
             self.scale_shifts.copy_(shifts)
             scales = new_scales
-        # u = τ (K_i θ - θ̄_S)
-        updates = torch._foreach_mul(sources, list(scales.unbind()))
-        torch._foreach_sub_(updates, scaled)
-        torch._foreach_mul_(updates, tau)
-        kahan_add_(scaled, updates, comps)
+        if flat is None:
+            # u = τ (K_i θ - θ̄_S)
+            updates = torch._foreach_mul(sources, list(scales.unbind()))
+            torch._foreach_sub_(updates, scaled)
+            # not in place: on a CPU torch's in-place foreach rounds a Python scalar to fp16 first
+            # (τ = 0.005 becomes 0.0050011); out of place it multiplies by the float32 τ, as CUDA does
+            updates = torch._foreach_mul(updates, tau)
+            kahan_add_(scaled, updates, comps)
+            # an L1 norm carries any inf or NaN into its sum (a max-like reduction need not)
+            total = torch.stack(torch._foreach_norm(scaled, 1, dtype=torch.float32)).sum()
+        else:
+            # u = τ (K_i θ - θ̄_S): K_i θ in float32, rounded once into the dtype, as the per-tensor form
+            source = self._joined_source(sources, scaled, flat)
+            for scale, source_part, scaled_part, comps_part in self._passes(
+                flat, scales, source, flat["scaled"], flat["comps"]
+            ):
+                update = torch.empty_like(scaled_part)
+                torch.mul(source_part, scale, out=update)
+                update.sub_(scaled_part).mul_(tau)
+                kahan_add_([scaled_part], [update], [comps_part])
+            total = torch.linalg.vector_norm(flat["scaled"], 1, dtype=torch.float32)
+        finite = total <= torch.finfo(torch.float32).max  # one comparison: False for inf and NaN (isfinite is six ops)
         self.target_updates.add_(1)
-        # an L1 norm carries any inf or NaN into its sum (a max-like reduction need not)
-        finite = torch.stack(torch._foreach_norm(scaled, 1, dtype=torch.float32)).sum().isfinite()
         failed_now = ~finite & (self.first_nonfinite < 0)
         self.first_nonfinite.copy_(torch.where(failed_now, self.target_updates, self.first_nonfinite))
         if self.check_every_update:

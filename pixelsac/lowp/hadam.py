@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 from . import fused
 from .finite import all_finite, all_finite_many
 from .kahan import kahan_add_
-from .layout import in_layout_of, state_in_param_layouts_
+from .layout import flat_view, in_layout_of, reads_channels_last, segment_views, state_in_param_layouts_
 from .masked import add_scalar_, select_
 from .rounding import as_int32, mix_key, stochastic_round
 
@@ -131,26 +131,6 @@ def _hypot_root(
     torch._foreach_sqrt_(ratio)
     torch._foreach_mul_(ratio, larger)
     return ratio
-
-
-def _reads_channels_last(tensor: torch.Tensor) -> bool:
-    """Does :func:`_flat` read ``tensor`` in NHWC order (a channels-last 4-D tensor that is not
-    also contiguous)?"""
-    return tensor.dim() == 4 and not tensor.is_contiguous() and tensor.is_contiguous(memory_format=torch.channels_last)
-
-
-def _flat(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
-    """A 1-D view of ``tensor`` in the memory order of ``like`` (default: its own), so that a
-    parameter, its gradient and its state line up element by element -- channels-last weights
-    included. A gradient with other strides is copied into the parameter's layout (read only)."""
-    like = tensor if like is None else like
-    if tensor.stride() != like.stride():
-        tensor = torch.empty_like(like).copy_(tensor)
-    if tensor.is_contiguous():
-        return tensor.view(-1)
-    if _reads_channels_last(tensor):  # NHWC memory: its elements in memory order, one view (not permute + view)
-        return tensor.as_strided((tensor.numel(),), (1,))
-    raise RuntimeError(f"HAdam(unbiased_moments=True): unsupported tensor layout {tuple(tensor.stride())}")
 
 
 def _unbiased(group: dict[str, Any], bucket: dict[str, Any]) -> bool:
@@ -209,10 +189,10 @@ class HAdam(Optimizer):
     included, a foreach op counted once; bias corrections and rounding keys are vectors over the
     bucket, the per-element spreads gathers, the flat views of parameters and state kept from step
     to step) -- DrQ's critic 187, actor 165, ``log_alpha`` 145 in fp16 -- and a whole fp16
-    update (critic, actor, temperature and target, forward and backward) 1,465, against fp32's
+    update (critic, actor, temperature and target, forward and backward) 1,541, against fp32's
     808, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
-    2^18-element chunks the same update at 84×84 dispatches 5,415 (~30 ops a chunk), which is
-    why a GPU takes whole buckets.
+    2^18-element chunks the same update at 84×84 dispatched 5,415 (~30 ops a chunk; counted when
+    the whole update was 1,465), which is why a GPU takes whole buckets.
 
     Two numerical guards beyond the formulas: the denominators ``M + ε`` and ``denom`` are
     floored at the dtype's smallest positive number. They only act when the value is exactly
@@ -271,7 +251,7 @@ class HAdam(Optimizer):
                     if param.dtype in (torch.float16, torch.bfloat16):
                         buckets.setdefault((param.device, param.dtype), []).append(param)
                 for params in buckets.values():
-                    if all(_reads_channels_last(p) or p.is_contiguous() for p in params):
+                    if all(reads_channels_last(p) or p.is_contiguous() for p in params):
                         self._flat_params(params)
 
     @staticmethod
@@ -524,7 +504,7 @@ class HAdam(Optimizer):
             if position not in flats:
                 param, state = bucket["params"][position], bucket["states"][position]
                 flats[position] = {
-                    "grad": _flat(bucket["grads"][position], like=param),
+                    "grad": flat_view(bucket["grads"][position], like=param),
                     **self._state_flats(param, state, pack.kahan),
                 }
             whole = length == flats[position]["param"].numel()  # a whole parameter: its flat view itself
@@ -533,7 +513,7 @@ class HAdam(Optimizer):
         return views
 
     def _state_flats(self, param: torch.Tensor, state: dict[str, Any], kahan: bool) -> dict[str, torch.Tensor]:
-        """:func:`_flat` views of a parameter and its state tensors, made at the first step and
+        """:func:`flat_view` views of a parameter and its state tensors, made at the first step and
         kept while those tensors are the same objects with the same storage and strides (a view
         is a dispatched op, and a GPU step would otherwise make four per parameter each time;
         a parameter given new storage or a state tensor replaced, e.g. by ``load_state_dict`` or
@@ -546,7 +526,7 @@ class HAdam(Optimizer):
             # the parameter's view made from a detached alias: a view of a leaf that requires grad,
             # made under no_grad, may not be read by autograd-aware code (torch.compile's inputs)
             # once the leaf is changed in place with grad enabled
-            flats = [_flat(t.detach() if t.requires_grad else t) for t in tensors]
+            flats = [flat_view(t.detach() if t.requires_grad else t) for t in tensors]
             cached = (tensors, where, dict(zip(names, flats)))
             self._flat_views[id(param)] = cached
         return cached[2]
@@ -684,24 +664,6 @@ class HAdam(Optimizer):
         kahan = ["kahan_comp" in state for state in work[0][1]["states"]]
         return all(kahan) or not any(kahan)
 
-    @staticmethod
-    def _segments(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Consecutive views of the 1-D ``flat``, each with its parameter's shape and strides
-        (a channels-last weight's view is NHWC in memory, NCHW in shape)."""
-        views, start = [], 0
-        for param in params:
-            part = flat[start : start + param.numel()]
-            if _reads_channels_last(param):
-                batch, channels, height, width = param.shape
-                part = part.view(batch, height, width, channels).permute(0, 3, 1, 2)
-            elif param.is_contiguous():
-                part = part.view(param.shape)
-            else:
-                raise RuntimeError(f"HAdam(compiled=True): unsupported tensor layout {tuple(param.stride())}")
-            views.append(part)
-            start += param.numel()
-        return views
-
     def _flat_params(self, params: list[torch.Tensor]) -> torch.Tensor:
         """One 1-D buffer holding ``params``, each parameter's ``.data`` a view into it (the
         same objects, the same strides: what modules, autograd and other code hold is unchanged).
@@ -713,7 +675,7 @@ class HAdam(Optimizer):
         if cached is not None and all(param.data_ptr() == ptr for param, ptr in zip(params, cached[1])):
             return cached[0]
         flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        for param, part in zip(params, self._segments(flat, params)):
+        for param, part in zip(params, segment_views(flat, params)):
             part.copy_(param.detach())
             param.data = part
         self._flat_param_buffers[key] = (flat, [param.data_ptr() for param in params])
@@ -739,7 +701,7 @@ class HAdam(Optimizer):
         flat, views = {}, {}
         for name in names:
             flat[name] = torch.empty_like(flat_param)
-            views[name] = self._segments(flat[name], params)
+            views[name] = segment_views(flat[name], params)
             for part, state in zip(views[name], states):
                 part.copy_(state[name])
                 state[name] = part
@@ -768,7 +730,7 @@ class HAdam(Optimizer):
         capturable = group.get("capturable", False)
         flat = self._flat_state(bucket, capturable)
         kahan = "kahan_comp" in flat
-        grad = self._joined([_flat(grad, like=param) for grad, param in zip(bucket["grads"], params)])
+        grad = self._joined([flat_view(grad, like=param) for grad, param in zip(bucket["grads"], params)])
         if capturable:
             counts = flat["step"]
         else:  # host counts: a vector of this step's counts (the host adds 1 to each if the step is taken)
@@ -783,7 +745,7 @@ class HAdam(Optimizer):
             eps = self._constant(device, ("eps", float(eps)), lambda key, dev: torch.tensor(key[1], device=dev))
         layout = self._constant(
             device,
-            ("layout", tuple((tuple(p.shape), _reads_channels_last(p)) for p in params)),
+            ("layout", tuple((tuple(p.shape), reads_channels_last(p)) for p in params)),
             lambda key, dev: fused.layout_table(params, [channels_last for _, channels_last in key[1]], dev),
         )
         stream_starts = self._constant(device, ("stream", tuple(indices)), self._stream_starts)
@@ -866,7 +828,7 @@ class HAdam(Optimizer):
 
         def logical(position: int, start: int, length: int) -> torch.Tensor | None:
             """The segment's logical indices when its parameter is channels-last, else None."""
-            if not _reads_channels_last(params[position]):
+            if not reads_channels_last(params[position]):
                 return None
             order = self._constant(
                 device,

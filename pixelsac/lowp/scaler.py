@@ -143,6 +143,18 @@ def optimizer_state_is_finite_after(optimizer: Optimizer, factor: float) -> bool
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
+def _exact_in(value: float, dtype: torch.dtype) -> bool:
+    """Does ``dtype`` hold ``value`` exactly (0 or a normal number; a subnormal counts as not),
+    worked out on the host: no tensor is made or read?"""
+    if value == 0.0:
+        return True
+    info = torch.finfo(dtype)
+    if not info.tiny <= abs(value) <= info.max:
+        return False
+    mantissa, _ = math.frexp(abs(value))
+    return (mantissa * 2 ** (round(-math.log2(info.eps)) + 1)).is_integer()
+
+
 def _state_overflowed(optimizer: Optimizer) -> bool:
     """Did the last host-side step refuse to write a non-finite state (HAdam's ``state_overflow``)?"""
     return bool(getattr(optimizer, "state_overflow", False))
@@ -237,6 +249,7 @@ class CompoundLossScaler:
         }
         self._device_counts: dict[str, torch.Tensor] | None = None
         self._one: torch.Tensor | None = None  # 1.0 on the device, with the counts
+        self._state_ones: dict[tuple, torch.Tensor | None] = {}  # see _state_factor
         self._steps_until_growth_check = 0
         # device records for the logs: the largest peak |S·g| of the taken steps since the last
         # read, and every gradient's peak at the last skipped step (a non-finite one names the
@@ -412,13 +425,30 @@ class CompoundLossScaler:
             self._interval_peak.mul_(factor)
         counts["scale"].mul_(factor)
         if not getattr(optimizer, "backed_off", False):
-            optimizer.rescale_state_(factor, eps_floor=self.eps_floor)
+            optimizer.rescale_state_(self._state_factor(factor, skipped, optimizer), eps_floor=self.eps_floor)
         taken = ~skipped
         # a bool adds and multiplies as 0/1 into the int64 counts: no cast of its own
         counts["skipped_steps"].add_(skipped)
         counts["taken_steps"].add_(taken)
         counts["clean_steps"].add_(1).mul_(taken)
         return taken
+
+    def _state_factor(self, factor: torch.Tensor, skipped: torch.Tensor, optimizer: Optimizer) -> torch.Tensor:
+        """The step's factor (1 or the backoff) for the optimizer's moments: in their dtype where
+        they share one that holds the backoff exactly (0.5 in fp16 or bf16), else ``factor``.
+        The same product either way; but CUDA multiplies a list of tensors by a 0-dim tensor of
+        their own dtype in one multi-tensor kernel, and by one of another dtype tensor by tensor
+        (DrQ's fp16 critic: 48 kernels a step for its moments)."""
+        dtypes = {param.dtype for group in optimizer.param_groups for param in group["params"]}
+        dtype = dtypes.pop() if len(dtypes) == 1 else factor.dtype
+        if dtype == factor.dtype or not dtype.is_floating_point:
+            return factor
+        if (dtype, factor.device) not in self._state_ones:
+            exact = _exact_in(self.backoff_factor, dtype)
+            one = torch.ones((), dtype=dtype, device=factor.device) if exact else None
+            self._state_ones[(dtype, factor.device)] = one
+        one = self._state_ones[(dtype, factor.device)]
+        return factor if one is None else one.masked_fill(skipped, self.backoff_factor)
 
     @torch.no_grad()
     def _check_gradients(self, optimizer: Optimizer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -1,12 +1,14 @@
-"""What one update asks of a GPU, counted on any device: aten ops, dtype casts, host reads.
+"""What one update asks of a GPU, counted on any device: aten ops, kernels, dtype casts, host reads.
 
 :func:`count_update_ops` builds a fresh agent from a run's (or a benchmark cell's) configuration,
 fits it (on the CPU unless told) and counts each update with :class:`~pixelsac.perf.dispatch.DispatchCount`:
 full updates (critic, actor, temperature and, when due, the target) and critic-only ones, after
 the first update cycle (whose first updates of each kind create the optimizer state and the cached
-constants). A GPU launches about one kernel per op (views excepted), so the op count is what a
-small batch pays in launches; a cast moves memory without computing; a host read is a
-device-to-host synchronisation, and an error inside CUDA graph capture.
+constants). A GPU launches about one kernel per op that is not a view, so the kernel estimate
+(:attr:`~pixelsac.perf.dispatch.DispatchCount.kernels`: views and allocations left out, a foreach
+op that CUDA runs tensor by tensor counted per tensor) is what a small batch pays in launches; a
+cast moves memory without computing; a host read is a device-to-host synchronisation, and an
+error inside CUDA graph capture.
 
 The update is counted in the form a GPU runs it, whatever machine counts it:
 
@@ -62,6 +64,7 @@ class UpdateCounts:
     """The most each counted update of one kind dispatched (each figure its own maximum)."""
 
     ops: int
+    kernels: int  # the estimate of what a GPU launches (DispatchCount.kernels)
     casts: int
     host_reads: int
     casts_by_dtypes: dict[str, int]  # "float16->float32": n, from the update with the most casts
@@ -98,13 +101,17 @@ def count_obs_shape(obs_shape: tuple[int, ...], num_conv_layers: int) -> tuple[i
 
 
 class _GpuOptimizers(L.Callback):
-    """hAdam on whole buckets, as :meth:`HAdam.chunk_for` picks for a GPU."""
+    """hAdam on whole buckets and the Kahan-momentum target in whole passes, as
+    :meth:`HAdam.chunk_for` picks for a GPU."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for optimizer in trainer.optimizers:
             raw = getattr(optimizer, "optimizer", optimizer)
             if isinstance(raw, HAdam):
                 raw.chunk_numel = HAdam.chunk_for("cuda")
+        updater = getattr(pl_module, "target_updater", None)
+        if updater is not None and hasattr(updater, "chunk_numel"):
+            updater.chunk_numel = HAdam.chunk_for("cuda")
 
 
 def count_update_ops(
@@ -152,6 +159,7 @@ def count_update_ops(
             most_cast = max(counts, key=lambda c: c.cast_total)
             result[kind] = UpdateCounts(
                 ops=max(c.total for c in counts),
+                kernels=max(c.kernels for c in counts),
                 casts=most_cast.cast_total,
                 host_reads=max(c.host_reads for c in counts),
                 casts_by_dtypes=dict(most_cast.casts),
