@@ -118,3 +118,73 @@ def test_counting_leaves_the_random_streams_alone():
     counts = opcount.count_update_ops(cfg, (5,), 1)  # state observations: no convolutions, no shift
     assert torch.equal(torch.rand(3), expected)
     assert counts["full"].updates == 1 and counts["full"].ops > counts["critic-only"].ops > 0
+
+
+def _cuda_kernels(run) -> int:
+    """CUDA kernels (and memsets/copies) the profiler saw while ``run()`` ran."""
+    from torch.autograd import DeviceType
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_foreach_route_model_is_what_cuda_launches():
+    """The model the kernel estimate rests on, against the profiler: a foreach op over 8 tensors
+    takes one launch where ATen's fast route takes it and 8 where it does not (an fp32 factor
+    for fp16 tensors, a list of 0-dim scales)."""
+    from pixelsac.perf.dispatch import cuda_foreach_launches
+
+    device = torch.device("cuda")
+    half = [torch.ones(1000 + i, dtype=torch.float16, device=device) for i in range(8)]
+    same, other = torch.tensor(0.5, dtype=torch.float16, device=device), torch.tensor(0.5, device=device)
+    scales = [torch.tensor(2.0, dtype=torch.float16, device=device) for _ in half]
+    mul = torch.ops.aten._foreach_mul_
+    cases = [
+        (lambda: torch._foreach_mul_(half, same), mul.Tensor, (half, same)),
+        (lambda: torch._foreach_mul_(half, other), mul.Tensor, (half, other)),
+        (lambda: torch._foreach_mul_(half, scales), mul.List, (half, scales)),
+    ]
+    for run, op, args in cases:
+        run()  # warm-up: first calls may launch set-up kernels
+        assert _cuda_kernels(run) == cuda_foreach_launches(op, args, {}), op
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_kernel_estimate_of_an_update_is_near_what_it_launches(capsys):
+    """A full fp16 update of the counted agent on CUDA: the estimate against the profiler's count
+    (cuDNN and cuBLAS may launch more than one kernel for an op; the figures are printed)."""
+    from pixelsac.perf.dispatch import DispatchCount
+
+    seen: list[tuple[int, int]] = []
+
+    class Profiled(DispatchCount):
+        def __enter__(self):
+            torch.cuda.synchronize()
+            self._profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]).__enter__()
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            super().__exit__(*exc)
+            torch.cuda.synchronize()
+            self._profile.__exit__(None, None, None)
+            from torch.autograd import DeviceType
+
+            launched = sum(1 for e in self._profile.events() if e.device_type == DeviceType.CUDA)
+            seen.append((self.kernels, launched))
+
+    original = opcount.DispatchCount
+    opcount.DispatchCount = Profiled
+    try:
+        counts = opcount.count_update_ops(to_plain(load_config(list(MODES["fp16"].overrides))), (9, 84, 84), 1, "cuda")
+    finally:
+        opcount.DispatchCount = original
+    estimate, launched = next((k, n) for k, n in reversed(seen) if k == counts["full"].kernels)
+    with capsys.disabled():
+        print(f"\nfp16 full update on CUDA: estimated {estimate} kernels, the profiler saw {launched}")
+    assert 0.7 * estimate <= launched <= 2.0 * estimate
