@@ -377,6 +377,7 @@ class PrecisionPolicy:
                 growth_interval=self.growth_interval,
                 headroom_growth=self.headroom_growth,
                 sync_free=self.sync_free and self.hadam,
+                compiled=self.compiled_optimizer and self.sync_free and self.hadam,
             )
         if self.mode == "amp":
             return torch.amp.GradScaler(self.device_type)
@@ -499,6 +500,7 @@ class PrecisionPolicy:
         if self.compiled_optimizer:
             on.append(
                 "compiled hAdam step"
+                + (" and loss-scaler bookkeeping" if self.loss_scaling and self.sync_free else "")
                 + (" (on a CPU ~2x slower than eager; meant for a GPU)" if self.device_type == "cpu" else "")
             )
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""

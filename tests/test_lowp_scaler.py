@@ -355,3 +355,54 @@ def test_the_sync_free_rescale_of_fp16_moments_is_one_multi_tensor_op_when_the_b
         assert looped == [{}] * 4, looped
     else:
         assert all(c.get("aten._foreach_mul_.Tensor") == 6 for c in looped), looped
+
+
+@pytest.mark.parametrize("headroom", [True, False], ids=["headroom-growth", "published-growth"])
+@pytest.mark.parametrize("compiled_hadam", [True, False], ids=["compiled-hadam", "eager-hadam"])
+def test_the_compiled_bookkeeping_is_the_eager_one_bit_for_bit(compiled_hadam, headroom):
+    """``CompoundLossScaler(compiled=True)`` (``fused_scaler.py``): 40 sync-free steps with
+    overflowing gradients, a state overflow and growth checks along the way leave the scale, every
+    count and record and the optimizer exactly as the eager bookkeeping does; the bookkeeping is
+    one op."""
+    from pixelsac.perf.dispatch import DispatchCount
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s).half()) for s in ((4, 3), (3,), (2, 2))]
+        opt = HAdam(params, lr=1e-3, capturable=True, unbiased_moments=True, eps=1e-4, compiled=compiled_hadam)
+        scaler = CompoundLossScaler(
+            init_scale=2.0**12, growth_interval=5, sync_free=True, headroom_growth=headroom, compiled=compiled
+        )
+        counts, records = None, []
+        for step in range(40):
+            for p in params:
+                p.grad = torch.randn_like(p) * 2.0**10
+            if step in (3, 4, 17):
+                params[0].grad[0, 0] = float("inf")
+            if step == 25:
+                opt.state[params[1]]["exp_avg_root"][0] = 65504.0
+                params[1].grad[0] = 6e4
+            with DispatchCount(sites=False) as count:
+                scaler.step(opt)
+            counts = count
+            kept = (scaler._grad_peak, scaler._skipped_peaks, scaler._interval_peak)
+            records.append((scaler.state_dict(), [None if t is None else t.clone() for t in kept]))
+        return params, opt, scaler, counts, records
+
+    params, opt, scaler, count, records = run(True)
+    ref_params, ref_opt, ref_scaler, ref_count, ref_records = run(False)
+    for step, ((state, kept), (ref_state, ref_kept)) in enumerate(zip(records, ref_records)):
+        assert state == ref_state, step
+        for mine, theirs in zip(kept, ref_kept):
+            assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), step
+    assert scaler.state_dict() == ref_scaler.state_dict()
+    assert ref_scaler.skipped_steps >= 4 and scaler.scale != 2.0**12  # skips and growth happened
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a.detach(), b.detach())
+        for key in ("exp_avg", "exp_avg_root", "step"):
+            assert torch.equal(opt.state[a][key], ref_opt.state[b][key]), key
+    for name in ("_grad_peak", "_skipped_peaks", "_interval_peak"):
+        mine, theirs = getattr(scaler, name), getattr(ref_scaler, name)
+        assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), name
+    assert count.ops["pixelsac_lowp.scaler_after_step.default"] == 1
+    assert count.kernels < ref_count.kernels

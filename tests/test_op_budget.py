@@ -33,11 +33,11 @@ OBS_SHAPE, ACTION_DIM = (9, 84, 84), 1  # cartpole's: the counts shrink the imag
 #: foreach op CUDA runs tensor by tensor counted per tensor: pixelsac/perf/dispatch.py).
 BUDGETS = {
     "fp32": {"full": (808, 455, 8), "critic-only": (502, 263, 8)},
-    "fp16": {"full": (1541, 1040, 93), "critic-only": (770, 470, 45)},
-    "fp16-six": {"full": (1184, 1006, 33), "critic-only": (613, 561, 18)},
+    "fp16": {"full": (1538, 1037, 90), "critic-only": (769, 469, 44)},
+    "fp16-six": {"full": (1181, 1003, 30), "critic-only": (612, 560, 17)},
     "bf16": {"full": (1437, 943, 143), "critic-only": (713, 416, 47)},
-    # hAdam's step compiled (perf.compile_optimizer): one op a step, the kernels inside it
-    "fp16-compiled": {"full": (1023, 608, 51), "critic-only": (605, 320, 31)},
+    # hAdam's step and the loss scaler's bookkeeping compiled (perf.compile_optimizer): one op each
+    "fp16-compiled": {"full": (981, 566, 48), "critic-only": (591, 306, 30)},
     "bf16-compiled": {"full": (996, 581, 96), "critic-only": (580, 295, 30)},
 }
 
@@ -94,18 +94,20 @@ def test_fp16_dispatches_at_most_twice_fp32s_ops():
         assert BUDGETS[mode]["full"][1] <= 2.3 * BUDGETS["fp32"]["full"][1]
 
 
-def test_where_the_compiled_step_leaves_fp16_against_fp32():
+def test_the_compiled_step_takes_fp16_within_1_25x_fp32s_ops_and_kernels():
     """Issue 36 aims at 1.25x fp32's ops. With ``perf.compile_optimizer`` the three hAdam steps of
     a full update dispatch 40 ops instead of 497 (the gradients' views and one ``cat`` a bucket,
     then the step, which updates the parameters in their flat buffer and does the loss scaler's
-    rescale in its own pass): 1,023 aten ops, 1.27x fp32's 808 -- at 999 (1.24x) before the
-    Kahan-momentum target moved into flat buffers, which added a view per parameter and took away
-    ~90 kernels that CUDA ran tensor by tensor. Counted as kernels: 608, 1.34x fp32's 455 (1.54x
-    before). What remains is the loss scalers, the adaptive target's scale choice and fp32 Q's
-    casts (docs/performance.md)."""
+    rescale in its own pass) and each loss scaler's bookkeeping after a step is one op
+    (``fused_scaler.py``): 981 aten ops, 1.21x fp32's 808, and 566 estimated kernels, 1.24x
+    fp32's 455 (each compiled op counted as one: inductor generates a few kernels inside).
+    Before the kernel estimate existed the op count stood at 999 (1.24x) while hiding ~90
+    kernels that CUDA ran tensor by tensor in the Kahan-momentum target (699 kernels, 1.54x).
+    What remains is the loss scalers' gradient checks, the adaptive target's scale choice and
+    fp32 Q's casts (docs/performance.md)."""
     counts, steps = count("fp16-compiled")
-    assert counts["full"].ops <= 1.27 * BUDGETS["fp32"]["full"][0], counts
-    assert counts["full"].kernels <= 1.34 * BUDGETS["fp32"]["full"][1], counts
+    assert counts["full"].ops <= 1.25 * BUDGETS["fp32"]["full"][0], counts
+    assert counts["full"].kernels <= 1.25 * BUDGETS["fp32"]["full"][1], counts
     assert [ops for _, ops in steps] == [26, 12, 2, 26], steps  # critic, actor, temperature; critic
 
 

@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from . import fused_scaler
 from .finite import all_finite, all_finite_many
 from .hadam import HAdam
 from .kahan_adam import KahanAdam
@@ -196,6 +197,9 @@ class CompoundLossScaler:
             rounded once, so it flags exactly the non-finite gradients.
         growth_margin: growth only happens when the state stays finite at
             ``growth_factor·growth_margin`` (the paper checks ``2.2·m`` and ``2.2·s``).
+        compiled: with ``sync_free``, the device bookkeeping after each step as one op whose
+            kernels ``torch.compile`` generates (``fused_scaler.py``): the same values; compiled
+            at the first step (seconds), for a GPU, where each 0-dim update is a kernel launch.
         sync_free: decide skips on the device (module docstring); the optimizer must accept
             ``step(found_inf=...)`` and a tensor in ``rescale_state_`` (HAdam with capturable=True).
             ``step`` then returns a 0-dim bool tensor, and reading ``scale`` or the counters
@@ -221,6 +225,7 @@ class CompoundLossScaler:
         headroom_growth: bool = False,
         headroom_margin: float = 4.0,
         max_growth: float = 2.0**10,
+        compiled: bool = False,
     ) -> None:
         if not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale}")
@@ -238,6 +243,7 @@ class CompoundLossScaler:
         self.growth_margin = float(growth_margin)
         self.sync_free = bool(sync_free)
         self.headroom_growth = bool(headroom_growth)
+        self.compiled = bool(compiled)
         self.headroom_margin = float(headroom_margin)
         self.max_growth = float(max_growth)
         # Host values; in sync-free mode they seed the device tensors at the first step.
@@ -418,7 +424,19 @@ class CompoundLossScaler:
             optimizer.step(found_inf=found_inf, backoff=(self.backoff_factor, self.eps_floor))
         else:
             optimizer.step(found_inf=found_inf)
-        skipped = (found_inf > 0) | _state_overflow_flag(optimizer, found_inf.device)
+        overflow = _state_overflow_flag(optimizer, found_inf.device)
+        if self.compiled:  # the same bookkeeping as below, as one op of a few generated kernels
+            record = peaks is not None and self._grad_peak is not None and peaks.shape == self._skipped_peaks.shape
+            taken, factor = fused_scaler.after_step(
+                found_inf, overflow, peaks if record else None, peak if record else None,
+                self._skipped_peaks if record else None, self._grad_peak if record else None, self._interval_peak,
+                counts["scale"], counts["skipped_steps"], counts["taken_steps"], counts["clean_steps"], self._one,
+                self.backoff_factor,
+            )  # fmt: skip
+            if not getattr(optimizer, "backed_off", False):
+                optimizer.rescale_state_(self._state_factor(factor, ~taken, optimizer), eps_floor=self.eps_floor)
+            return taken
+        skipped = (found_inf > 0) | overflow
         self._record(peaks, skipped, peak)
         factor = self._one.masked_fill(skipped, self.backoff_factor)  # 1, or the backoff (float32)
         if self._interval_peak is not None:  # in the units of the (possibly halved) scale
@@ -462,6 +480,9 @@ class CompoundLossScaler:
             peaks = self._gradient_peaks(optimizer, grads[0].device)
             peak = peaks.max()
             fits = peak * self.overflow_margin <= torch.finfo(peaks.dtype).max  # False for inf and NaN
+            one = self._one
+            if one is not None and one.device == fits.device:  # 1.0 where it does not fit: one op, not two
+                return one.masked_fill(fits, 0.0), peaks, peak
             return (~fits).to(torch.float32), peaks, peak
         found_inf = self.found_inf(optimizer)
         return found_inf, self._gradient_peaks(optimizer, found_inf.device), None
