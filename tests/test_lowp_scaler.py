@@ -406,3 +406,31 @@ def test_the_compiled_bookkeeping_is_the_eager_one_bit_for_bit(compiled_hadam, h
         assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), name
     assert count.ops["pixelsac_lowp.scaler_after_step.default"] == 1
     assert count.kernels < ref_count.kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_compiled_bookkeeping_replays_in_a_cuda_graph():
+    """The compiled bookkeeping (triton kernels) captured in a CUDA graph with hAdam's step and
+    replayed: the scale backs off on a replay whose gradients overflow, the counts move on the
+    device, and nothing is read on the host inside."""
+    device = torch.device("cuda")
+    params = [torch.nn.Parameter(torch.randn(s, device=device).half()) for s in ((4, 3), (3,))]
+    opt = HAdam(params, lr=1e-3, capturable=True, unbiased_moments=True, eps=1e-4, compiled=True)
+    scaler = CompoundLossScaler(init_scale=2.0**12, sync_free=True, headroom_growth=True, compiled=True)
+    grads = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    for _ in range(3):  # warm-up: state, constants and compiled graphs made before the capture
+        scaler.step_on_device(opt)
+        scaler.count_step(opt)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        scaler.step_on_device(opt)
+    scale = float(scaler._device_counts["scale"])
+    grads[0].fill_(float("inf"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert float(scaler._device_counts["scale"]) == scale * scaler.backoff_factor
+    assert int(scaler._device_counts["skipped_steps"]) >= 1
