@@ -362,16 +362,16 @@ def test_the_sync_free_rescale_of_fp16_moments_is_one_multi_tensor_op_when_the_b
 def test_the_compiled_bookkeeping_is_the_eager_one_bit_for_bit(compiled_hadam, headroom):
     """``CompoundLossScaler(compiled=True)`` (``fused_scaler.py``): 40 sync-free steps with
     overflowing gradients, a state overflow and growth checks along the way leave the scale, every
-    count and record and the optimizer exactly as the eager bookkeeping does; the bookkeeping is
-    one op."""
+    count and record and the optimizer exactly as the eager bookkeeping does, and as the scaler
+    that decides on the host (its own code: the reference for both); the bookkeeping is one op."""
     from pixelsac.perf.dispatch import DispatchCount
 
-    def run(compiled: bool):
+    def run(compiled: bool, sync_free: bool = True):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s).half()) for s in ((4, 3), (3,), (2, 2))]
-        opt = HAdam(params, lr=1e-3, capturable=True, unbiased_moments=True, eps=1e-4, compiled=compiled_hadam)
+        opt = HAdam(params, lr=1e-3, capturable=sync_free, unbiased_moments=True, eps=1e-4, compiled=compiled_hadam)
         scaler = CompoundLossScaler(
-            init_scale=2.0**12, growth_interval=5, sync_free=True, headroom_growth=headroom, compiled=compiled
+            init_scale=2.0**12, growth_interval=5, sync_free=sync_free, headroom_growth=headroom, compiled=compiled
         )
         counts, records = None, []
         for step in range(40):
@@ -391,10 +391,14 @@ def test_the_compiled_bookkeeping_is_the_eager_one_bit_for_bit(compiled_hadam, h
 
     params, opt, scaler, count, records = run(True)
     ref_params, ref_opt, ref_scaler, ref_count, ref_records = run(False)
-    for step, ((state, kept), (ref_state, ref_kept)) in enumerate(zip(records, ref_records)):
-        assert state == ref_state, step
-        for mine, theirs in zip(kept, ref_kept):
-            assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), step
+    *_, host_records = run(False, sync_free=False)
+    for step, ((state, kept), (ref_state, ref_kept), (host_state, host_kept)) in enumerate(
+        zip(records, ref_records, host_records)
+    ):
+        assert state == ref_state == host_state, step
+        for mine, theirs, host in zip(kept, ref_kept, host_kept):
+            assert (mine is None) == (theirs is None) == (host is None), step
+            assert mine is None or torch.equal(mine, theirs) and torch.equal(mine, host), step
     assert scaler.state_dict() == ref_scaler.state_dict()
     assert ref_scaler.skipped_steps >= 4 and scaler.scale != 2.0**12  # skips and growth happened
     for a, b in zip(params, ref_params):

@@ -70,6 +70,7 @@ stored copy).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -340,9 +341,7 @@ class KahanEMA(nn.Module):
         scaled, comps = self._buffers_in_order()
         self._flat = {
             **flats,
-            "numels": torch.tensor([t.numel() for t in scaled], dtype=torch.int64, device=first.device),
-            "numels_host": [t.numel() for t in scaled],
-            "total": total,
+            "numels": [t.numel() for t in scaled],
             "where": [t.data_ptr() for t in (*scaled, *comps)],
             "source": None,  # see _joined_source
         }
@@ -354,10 +353,10 @@ class KahanEMA(nn.Module):
         the pass's part of each of ``tensors`` (the tensors themselves in a single pass)."""
         plans = flat.setdefault("plans", {})
         if self.chunk_numel not in plans:
-            plans[self.chunk_numel] = self._plan(flat["numels_host"], self.chunk_numel, flat["numels"].device)
+            plans[self.chunk_numel] = self._plan(flat["numels"], self.chunk_numel, flat["scaled"].device)
         plan = plans[self.chunk_numel]
         if len(plan) == 1:
-            yield (torch.repeat_interleave(values, plan[0][4], output_size=flat["total"]), *tensors)
+            yield (torch.repeat_interleave(values, plan[0][4], output_size=plan[0][1]), *tensors)
             return
         for start, end, first, last, counts in plan:
             spread = torch.repeat_interleave(values[first:last], counts, output_size=end - start)
@@ -367,11 +366,9 @@ class KahanEMA(nn.Module):
     def _plan(numels: list[int], chunk: int | None, device: torch.device) -> list[tuple]:
         """``(start, end, first parameter, last parameter + 1, elements of each in the pass)``
         per pass; the counts a device tensor, made once."""
-        total = sum(numels)
+        bounds = [0, *itertools.accumulate(numels)]
+        total = bounds[-1]
         chunk = total if chunk is None else max(1, chunk)
-        bounds = [0]
-        for numel in numels:
-            bounds.append(bounds[-1] + numel)
         passes = []
         for start in range(0, total, chunk):
             end = min(start + chunk, total)
@@ -388,14 +385,16 @@ class KahanEMA(nn.Module):
         if flat["source"] is not None and flat["source"][1] == where:
             return flat["source"][0]
         first, size = sources[0], sources[0].element_size()
+        offsets = [0, *itertools.accumulate(flat["numels"])]  # elements before each parameter
         in_place = all(
             param.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
             and param.stride() == buffer.stride()
-            for param, buffer in zip(sources, scaled)
-        ) and all(ptr == where[0] + size * sum(t.numel() for t in sources[:i]) for i, ptr in enumerate(where))
+            and ptr == where[0] + size * offset
+            for param, buffer, ptr, offset in zip(sources, scaled, where, offsets)
+        )
         if not in_place:
             return torch.cat([flat_view(param.detach(), like=buffer) for param, buffer in zip(sources, scaled)])
-        joined = first.detach().as_strided((flat["total"],), (1,), first.storage_offset())
+        joined = first.detach().as_strided((offsets[-1],), (1,), first.storage_offset())
         flat["source"] = (joined, where)
         return joined
 

@@ -1,4 +1,5 @@
-"""The compound loss scaler's device bookkeeping after a step as one op (``CompoundLossScaler(compiled=True)``).
+"""The compound loss scaler's device bookkeeping after a sync-free step: one function, run
+eagerly or as one compiled op (``CompoundLossScaler(compiled=True)``).
 
 A sync-free step of the scaler (``scaler.py``) ends with a dozen 0-dim or per-parameter device
 updates, each its own kernel on a GPU: the skip decision from the gradients' flag and the
@@ -11,12 +12,13 @@ scale and the interval peak in the backed-off units, and the skipped/taken/clean
     interval_peak <- max(interval_peak, step_peak) · f          f = skipped ? backoff : 1
     S <- S·f;   skipped_steps += skipped;   taken_steps += !skipped;   clean <- (clean + 1)·!skipped
 
-Here one function does it all, compiled by ``torch.compile`` (inductor fuses the 0-dim updates
-and the per-parameter record into a few kernels) and registered as the torch operator
-``pixelsac_lowp::scaler_after_step``. Every value is the eager form's bit for bit: the updates
-are selections, maxima, integer adds and products by 1 or by the backoff, each rounded once into
-its tensor's dtype (compiled with ``emulate_precision_casts``, as ``fused.py``, so a 16-bit
-record is rounded where the eager op rounds it).
+:func:`bookkeeping` is that, in place; the eager scaler calls it as it is. :func:`after_step` is
+the same function compiled by ``torch.compile`` (inductor fuses the 0-dim updates and the
+per-parameter record into a few kernels) and registered as the torch operator
+``pixelsac_lowp::scaler_after_step``. Both give the same bits: the updates are selections,
+maxima, integer adds and products by 1 or by the backoff, each rounded once into its tensor's
+dtype (compiled with ``emulate_precision_casts``, as ``fused.py``, so a 16-bit record is rounded
+where the eager op rounds it).
 """
 
 from __future__ import annotations
@@ -27,36 +29,40 @@ import torch
 
 from .fused import COMPILE_OPTIONS
 
-__all__ = ["after_step"]
+__all__ = ["after_step", "bookkeeping"]
 
 _compiled: dict[str, Any] = {}
 
 
-def _after_step(
+def bookkeeping(
     found_inf, overflow, peaks, peak, skipped_peaks, grad_peak, interval_peak, scale, skipped_steps, taken_steps,
     clean_steps, one, backoff,
 ):  # fmt: skip
+    """The bookkeeping after one sync-free step (module docstring), every record and count updated
+    in place; the arguments as :func:`after_step`'s. Returns the 0-dim bools "skipped" and
+    "taken" and the float32 factor (1 or ``backoff``)."""
     skipped = (found_inf > 0) | overflow
     if peaks is not None:
-        skipped_peaks.copy_(torch.where(skipped, peaks, skipped_peaks))
+        torch.where(skipped, peaks, skipped_peaks, out=skipped_peaks)
         step_peak = (peaks.max() if peak is None else peak).masked_fill(skipped, 0.0)
-        grad_peak.copy_(torch.maximum(grad_peak, step_peak))
+        torch.maximum(grad_peak, step_peak, out=grad_peak)
         if interval_peak is not None:
-            interval_peak.copy_(torch.maximum(interval_peak, step_peak))
+            torch.maximum(interval_peak, step_peak, out=interval_peak)
     factor = one.masked_fill(skipped, backoff)
-    if interval_peak is not None:
-        interval_peak.copy_(interval_peak * factor)
-    scale.copy_(scale * factor)
+    if interval_peak is not None:  # in the units of the (possibly halved) scale
+        interval_peak.mul_(factor)
+    scale.mul_(factor)
     taken = ~skipped
-    skipped_steps.copy_(skipped_steps + skipped)
-    taken_steps.copy_(taken_steps + taken)
-    clean_steps.copy_((clean_steps + 1) * taken)
-    return taken, factor
+    # a bool adds and multiplies as 0/1 into the int64 counts: no cast of its own
+    skipped_steps.add_(skipped)
+    taken_steps.add_(taken)
+    clean_steps.add_(1).mul_(taken)
+    return skipped, taken, factor
 
 
 def _compiled_after_step():
     if "after_step" not in _compiled:
-        _compiled["after_step"] = torch.compile(_after_step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
+        _compiled["after_step"] = torch.compile(bookkeeping, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
     return _compiled["after_step"]
 
 
@@ -78,13 +84,13 @@ def after_step(
     clean_steps: torch.Tensor,
     one: torch.Tensor,
     backoff: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bookkeeping after one sync-free step (module docstring), every record and count updated
-    in place. ``found_inf``: 0-dim float32; ``overflow``: 0-dim bool (the optimizer's state
-    overflow); ``peaks``: each gradient's peak, with ``skipped_peaks`` and ``grad_peak`` (None, all
-    three, where the step keeps no record); ``peak``: ``peaks.max()`` if already taken;
-    ``interval_peak``: None without headroom growth; ``scale``: float32; the counts int64; ``one``:
-    float32 1.0. Returns the 0-dim bool "taken" and the float32 factor (1 or ``backoff``)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`bookkeeping`, compiled: every record and count updated in place. ``found_inf``:
+    0-dim float32; ``overflow``: 0-dim bool (the optimizer's state overflow); ``peaks``: each
+    gradient's peak, with ``skipped_peaks`` and ``grad_peak`` (None, all three, where the step
+    keeps no record); ``peak``: ``peaks.max()`` if already taken; ``interval_peak``: None without
+    headroom growth; ``scale``: float32; the counts int64; ``one``: float32 1.0. Returns the 0-dim
+    bools "skipped" and "taken" and the float32 factor (1 or ``backoff``)."""
     with torch._dynamo.config.patch(recompile_limit=64):  # a process may build many scalers
         return _compiled_after_step()(
             found_inf, overflow, peaks, peak, skipped_peaks, grad_peak, interval_peak, scale, skipped_steps,
@@ -94,4 +100,5 @@ def after_step(
 
 @after_step.register_fake
 def _(found_inf, overflow, *rest):
-    return torch.empty((), dtype=torch.bool, device=found_inf.device), torch.empty((), device=found_inf.device)
+    flag = torch.empty((), dtype=torch.bool, device=found_inf.device)
+    return flag, torch.empty_like(flag), torch.empty((), device=found_inf.device)

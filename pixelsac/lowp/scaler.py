@@ -424,31 +424,16 @@ class CompoundLossScaler:
             optimizer.step(found_inf=found_inf, backoff=(self.backoff_factor, self.eps_floor))
         else:
             optimizer.step(found_inf=found_inf)
-        overflow = _state_overflow_flag(optimizer, found_inf.device)
-        if self.compiled:  # the same bookkeeping as below, as one op of a few generated kernels
-            record = peaks is not None and self._grad_peak is not None and peaks.shape == self._skipped_peaks.shape
-            taken, factor = fused_scaler.after_step(
-                found_inf, overflow, peaks if record else None, peak if record else None,
-                self._skipped_peaks if record else None, self._grad_peak if record else None, self._interval_peak,
-                counts["scale"], counts["skipped_steps"], counts["taken_steps"], counts["clean_steps"], self._one,
-                self.backoff_factor,
-            )  # fmt: skip
-            if not getattr(optimizer, "backed_off", False):
-                optimizer.rescale_state_(self._state_factor(factor, ~taken, optimizer), eps_floor=self.eps_floor)
-            return taken
-        skipped = (found_inf > 0) | overflow
-        self._record(peaks, skipped, peak)
-        factor = self._one.masked_fill(skipped, self.backoff_factor)  # 1, or the backoff (float32)
-        if self._interval_peak is not None:  # in the units of the (possibly halved) scale
-            self._interval_peak.mul_(factor)
-        counts["scale"].mul_(factor)
+        record = peaks is not None and self._grad_peak is not None and peaks.shape == self._skipped_peaks.shape
+        # one function either way (fused_scaler.py); compiled, it is one op of a few generated kernels
+        skipped, taken, factor = (fused_scaler.after_step if self.compiled else fused_scaler.bookkeeping)(
+            found_inf, _state_overflow_flag(optimizer, found_inf.device), peaks if record else None,
+            peak if record else None, self._skipped_peaks if record else None, self._grad_peak if record else None,
+            self._interval_peak, counts["scale"], counts["skipped_steps"], counts["taken_steps"],
+            counts["clean_steps"], self._one, self.backoff_factor,
+        )  # fmt: skip
         if not getattr(optimizer, "backed_off", False):
             optimizer.rescale_state_(self._state_factor(factor, skipped, optimizer), eps_floor=self.eps_floor)
-        taken = ~skipped
-        # a bool adds and multiplies as 0/1 into the int64 counts: no cast of its own
-        counts["skipped_steps"].add_(skipped)
-        counts["taken_steps"].add_(taken)
-        counts["clean_steps"].add_(1).mul_(taken)
         return taken
 
     def _state_factor(self, factor: torch.Tensor, skipped: torch.Tensor, optimizer: Optimizer) -> torch.Tensor:
@@ -503,18 +488,13 @@ class CompoundLossScaler:
                 self._interval_peak = torch.zeros((), dtype=peaks.dtype, device=device)
         return peaks
 
-    def _record(
-        self, peaks: torch.Tensor | None, skipped: bool | torch.Tensor, peak: torch.Tensor | None = None
-    ) -> None:
+    def _record(self, peaks: torch.Tensor | None, skipped: bool, peak: torch.Tensor | None = None) -> None:
         """Keep the step's peaks when it was skipped, its largest peak (``peak``: ``peaks.max()``
-        if already taken) when it was taken (a bool decided on the host, or a 0-dim device
-        tensor: no host read)."""
+        if already taken) when it was taken, decided on the host (the sync-free step keeps its
+        records in ``fused_scaler.bookkeeping``)."""
         if peaks is None or self._grad_peak is None or peaks.shape != self._skipped_peaks.shape:
             return
-        if torch.is_tensor(skipped):
-            torch.where(skipped, peaks, self._skipped_peaks, out=self._skipped_peaks)
-            step_peak = (peaks.max() if peak is None else peak).masked_fill(skipped, 0.0)
-        elif skipped:
+        if skipped:
             self._skipped_peaks.copy_(peaks)
             if self._interval_peak is not None:  # in the units of the halved scale
                 self._interval_peak.mul_(self.backoff_factor)
