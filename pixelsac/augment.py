@@ -15,27 +15,31 @@ the same images bit for bit:
 * ``index``: the shifted image read in one ``gather`` with clamped coordinates --
   ``out[i, j] = img[clamp(i + dy), clamp(j + dx)]``, which is the replicate-padded crop without
   building the padded copy. About ten ops per call.
-* ``kornia``: ``kornia.geometry.transform.translate`` by ``(-dx, -dy)`` with ``mode="nearest"``
-  and ``padding_mode="border"``: a per-sample affine warp whose sampling grid lands within
-  rounding of integer coordinates, which nearest sampling rounds back to them, and the border
-  mode clamps them -- the replicate-padded crop again, exactly, in fp32, fp16 and bf16. (Bilinear
-  sampling is not exact: the grid is computed in floating point, so coordinates are integers
-  only to within rounding, and the interpolation blends in a neighbour by that error.) uint8
-  frames are warped as float32 on a CPU and float16 elsewhere (0..255 are exact in both) and
-  returned as uint8. About 120 ops per call: on a GPU, more launches than ``index`` unless the
-  update runs as a CUDA graph.
+* ``kornia``: ``kornia.geometry.transform.remap`` with nearest sampling and border padding, on a
+  map built from the offsets: output pixel ``(i, j)`` reads ``(i + dy, j + dx)``, in the
+  normalised coordinates of ``align_corners=True`` (``2·c/(size - 1) - 1``); nearest sampling
+  rounds each coordinate back to its integer and the border mode clamps it -- the
+  replicate-padded crop again, exactly. The map is built on two vectors (a row and a column of
+  coordinates per sample), so the call is about 20 ops (12 kernels); kornia's ``translate``
+  derives the same map from an affine matrix through ~120 ops (54 kernels) on 3×3 matrices.
+  Exact when the map's coordinates are integers of the sampling dtype and their normalised
+  values round back to them (:func:`sampling_dtype`: the images' dtype up to size - 1 + pad of
+  1,024 in fp16 and 128 in bf16, float32 beyond; uint8 frames in float32 on a CPU, float16
+  elsewhere; 0..255 are exact in both). (Bilinear sampling is not exact: rounding of
+  the normalised coordinates blends in a neighbour.) On a GPU one gather kernel does what
+  ``grid_sample`` does here; this backend is kornia's way of doing it.
 
 ``backend=None`` (``perf.aug_backend: null``) picks per device: ``kornia`` on CUDA, ``index``
-elsewhere. On a 2-core AMD EPYC (Zen 3, one thread, torch 2.13), two copies of a batch of 84×84
-9-channel frames, medians of 7 interleaved rounds: from uint8, kornia took 3.6x the gather at
-batch 128 (325 against 91 ms) and 3.7x at 512 (1,563 against 419 ms); from fp16, 1.6x
-(404 against 253 ms) and 1.55x (1,811 against 1,168 ms).
+elsewhere. On a 2-core Intel Xeon (Sapphire Rapids, one thread, torch 2.13), two copies of a
+batch of 84×84 9-channel frames, medians of 7 interleaved rounds (tools/shift_timing.py): from
+uint8, kornia took 6.6x the gather at batch 128 (74 against 11 ms) and 4.9x at 512 (321 against
+65 ms); from fp16, 1.35x and 1.12x. kornia's ``translate`` took 1.2x to 1.25x this backend's time.
 """
 
 from __future__ import annotations
 
 import torch
-from kornia.geometry.transform import translate
+from kornia.geometry.transform import remap
 from torch import nn
 
 BACKENDS = ("kornia", "index")
@@ -44,6 +48,29 @@ BACKENDS = ("kornia", "index")
 def default_backend(device_type: str) -> str:
     """The random shift ``perf.aug_backend: null`` runs: kornia's warp on CUDA, the gather elsewhere."""
     return "kornia" if device_type == "cuda" else "index"
+
+
+def sampling_dtype(dtype: torch.dtype, device_type: str, reach: int) -> torch.dtype:
+    """The dtype the ``kornia`` backend builds its map and samples in, for images of ``dtype``
+    whose coordinates reach ``reach`` (size - 1 + pad): the images' floating dtype while
+    ``reach <= 2^(mantissa bits)`` (fp16 1,024, bf16 128), else float32; uint8 frames in
+    float32 on a CPU (whose half ``grid_sample`` kornia runs in float32 anyway), float16
+    elsewhere. Within that bound the map's coordinates are integers of the dtype and its
+    normalised values land within half a pixel of them even if ``grid_sample`` unnormalises in
+    the 16-bit dtype itself (torch's CUDA kernel does it in float32, which allows twice the
+    reach); tests/test_augment.py checks every size to 2,100 under both."""
+    work = dtype if dtype.is_floating_point else (torch.float32 if device_type == "cpu" else torch.float16)
+    if reach * torch.finfo(work).eps > 1:  # eps = 2^-(mantissa bits)
+        return torch.float32
+    return work
+
+
+def normalised_coordinates(size: int, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2·(c + offset)/(size - 1) - 1`` for ``c = 0..size-1``, one row per offset (``offsets``:
+    (n, 1) integers): where along one axis each output pixel reads, in ``grid_sample``'s
+    ``align_corners=True`` coordinates, computed in ``dtype``."""
+    coordinates = torch.arange(size, device=offsets.device, dtype=dtype).add(offsets)
+    return coordinates.mul_(2.0 / max(size - 1, 1)).sub_(1.0)
 
 
 class RandomShift(nn.Module):
@@ -70,7 +97,7 @@ class RandomShift(nn.Module):
         offsets = torch.randint(0, 2 * pad + 1, (images.shape[0], 2), device=images.device) - pad  # (dy, dx)
         if (self.backend or default_backend(images.device.type)) == "index":
             return self._shift_by_gather(images, offsets)
-        return self._shift_by_warp(images, offsets)
+        return self._shift_by_warp(images, offsets, pad)
 
     @staticmethod
     def _shift_by_gather(images: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -84,14 +111,22 @@ class RandomShift(nn.Module):
         return images.reshape(n, c, h * w).gather(2, flat_index).view(n, c, h, w)
 
     @staticmethod
-    def _shift_by_warp(images: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The same shift as kornia's translation by ``(-dx, -dy)`` (nearest, border)."""
-        if images.is_floating_point():
-            work = images
-        else:  # grid sampling needs floats; frames 0..255 are exact in either
-            work = images.to(torch.float32 if images.device.type == "cpu" else torch.float16)
-        translation = offsets.flip(1).neg().to(work.dtype)  # kornia's (x, y): content moves by +t
-        shifted = translate(work, translation, mode="nearest", padding_mode="border", align_corners=True)
+    def _shift_by_warp(images: torch.Tensor, offsets: torch.Tensor, pad: int) -> torch.Tensor:
+        """The same shift as :meth:`_shift_by_gather`, sampled by kornia's ``remap`` (nearest, border)."""
+        n, _, h, w = images.shape
+        work = sampling_dtype(images.dtype, images.device.type, max(h, w) - 1 + pad)
+        source = images if images.dtype == work else images.to(work)
+        cols = normalised_coordinates(w, offsets[:, 1:2], work)  # (n, w)
+        rows = normalised_coordinates(h, offsets[:, 0:1], work)  # (n, h)
+        shifted = remap(
+            source,
+            cols.view(n, 1, w).expand(n, h, w),
+            rows.view(n, h, 1).expand(n, h, w),
+            mode="nearest",
+            padding_mode="border",
+            align_corners=True,
+            normalized_coordinates=True,
+        )
         return shifted if shifted.dtype == images.dtype else shifted.to(images.dtype)
 
     def copies(self, images: torch.Tensor, n: int) -> torch.Tensor:

@@ -397,6 +397,7 @@ class PrecisionPolicy:
             derived_target=self.derived_target,
             adaptive_scale=self.adaptive_target_scale,
             chunk_numel=lowp.HAdam.chunk_for(self.device_type),  # cache-sized passes on a CPU, whole on a GPU
+            compiled=self.compiled_optimizer,  # the flat update as one compiled op (lowp/fused_target.py)
         )
 
     def distribution(self, mu: torch.Tensor, log_std: torch.Tensor) -> lowp.SquashedNormal:
@@ -501,6 +502,7 @@ class PrecisionPolicy:
             on.append(
                 "compiled hAdam step"
                 + (" and loss-scaler bookkeeping" if self.loss_scaling and self.sync_free else "")
+                + (" and target update" if self.kahan_momentum else "")
                 + (" (on a CPU ~2x slower than eager; meant for a GPU)" if self.device_type == "cpu" else "")
             )
         extra = " (fp32-accumulated conv/matmul on CPU)" if self.fp32_accumulate else ""

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pixelsac.augment import BACKENDS, RandomShift, default_backend
+from pixelsac.augment import BACKENDS, RandomShift, default_backend, normalised_coordinates, sampling_dtype
 
 
 def _find_shift(out: torch.Tensor, padded: torch.Tensor, size: int, pad: int) -> tuple[int, int] | None:
@@ -139,3 +139,66 @@ def test_the_default_backend_is_kornia_on_cuda_and_the_gather_elsewhere():
     by_default = RandomShift(16, 4)(images)
     torch.manual_seed(5)
     assert torch.equal(by_default, RandomShift(16, 4, "index")(images))
+
+
+def _reads(size: int, pad: int, dtype: torch.dtype, unnormalise_in: torch.dtype) -> torch.Tensor:
+    """The pixel each output column reads for every offset, as ``grid_sample`` (nearest, border,
+    ``align_corners=True``) finds it from the kornia backend's normalised coordinates:
+    ``((g + 1) / 2)·(size - 1)`` computed in ``unnormalise_in``, rounded half to even, clamped."""
+    offsets = torch.arange(-pad, pad + 1).view(-1, 1)
+    g = normalised_coordinates(size, offsets, dtype).to(unnormalise_in)
+    return ((g + 1) / 2 * (size - 1)).float().round().clamp(0, size - 1).long()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_kornia_map_reads_the_right_pixel_wherever_it_samples_in_half(dtype):
+    """Every size to 2,100 and pads 1, 4 and 16: where ``sampling_dtype`` keeps the 16-bit
+    dtype, each coordinate comes back to its integer whether ``grid_sample`` unnormalises in
+    float32 (torch's CUDA and CPU kernels) or in the 16-bit dtype itself; and the bound is
+    needed: just past it (fp16 from size 1,028, bf16 from 134) the 16-bit unnormalisation
+    reads a wrong pixel, which the float32 fallback avoids."""
+    for pad in (1, 4, 16):
+        offsets = torch.arange(-pad, pad + 1).view(-1, 1)
+        for size in range(2, 2101):
+            if sampling_dtype(dtype, "cuda", size - 1 + pad) != dtype:
+                continue
+            want = (torch.arange(size) + offsets).clamp(0, size - 1)
+            for unnormalise_in in (torch.float32, dtype):
+                assert torch.equal(_reads(size, pad, dtype, unnormalise_in), want), (size, pad, unnormalise_in)
+    first_wrong = {torch.float16: 1028, torch.bfloat16: 134}[dtype]
+    want = (torch.arange(first_wrong) + torch.arange(-4, 5).view(-1, 1)).clamp(0, first_wrong - 1)
+    assert not torch.equal(_reads(first_wrong, 4, dtype, dtype), want)
+    assert sampling_dtype(dtype, "cuda", first_wrong - 1 + 4) == torch.float32
+
+
+def test_the_kornia_backend_samples_uint8_in_fp16_on_a_gpu_and_large_images_in_float32():
+    assert sampling_dtype(torch.uint8, "cuda", 87) == torch.float16
+    assert sampling_dtype(torch.uint8, "cpu", 87) == torch.float32
+    assert sampling_dtype(torch.bfloat16, "cuda", 128) == torch.bfloat16
+    assert sampling_dtype(torch.bfloat16, "cuda", 129) == torch.float32
+    assert sampling_dtype(torch.float16, "cuda", 1024) == torch.float16
+    assert sampling_dtype(torch.float16, "cuda", 1025) == torch.float32
+    assert sampling_dtype(torch.float32, "cuda", 10**6) == torch.float32
+
+
+@pytest.mark.parametrize(("dtype", "size"), [(torch.bfloat16, 125), (torch.bfloat16, 126), (torch.bfloat16, 160)])
+def test_kornia_and_index_agree_on_both_sides_of_the_half_sampling_bound(dtype, size):
+    """bf16 images at size - 1 + pad = 128 (sampled in bf16), 129 and 163 (in float32)."""
+    images = torch.randint(0, 256, (16, 2, size, size), dtype=torch.uint8).to(dtype)
+    torch.manual_seed(6)
+    by_index = RandomShift(size, 4, "index")(images)
+    torch.manual_seed(6)
+    by_kornia = RandomShift(size, 4, "kornia")(images)
+    assert by_kornia.dtype == dtype and torch.equal(by_kornia, by_index)
+
+
+def test_the_kornia_shift_is_a_few_kernels():
+    """The map is built on a row and a column of coordinates per sample: 14 kernels a call from
+    uint8, the offsets' draw included (kornia's translate took 56: an affine matrix per sample,
+    normalised and inverted)."""
+    from pixelsac.perf.dispatch import DispatchCount
+
+    images = torch.randint(0, 256, (4, 9, 20, 20), dtype=torch.uint8)
+    with DispatchCount() as count:
+        RandomShift(20, 4, "kornia")(images)
+    assert count.kernels <= 14, dict(count.ops)

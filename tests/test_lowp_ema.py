@@ -448,3 +448,121 @@ def test_one_flat_buffer_per_kind_gives_the_per_tensor_forms_bits_in_a_few_kerne
     assert all(sum(c.per_tensor.values()) >= 3 * 4 for c in tensor_counts)  # θ̄_S, c and K_i·θ: 4 tensors each
     if chunk is None:
         assert flat_counts[-1].kernels < tensor_counts[-1].kernels
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-k"])
+@pytest.mark.parametrize("one_buffer", [False, True], ids=["separate-source", "source-in-one-buffer"])
+@pytest.mark.parametrize("derived", [True, False], ids=["derived", "stored"])
+def test_the_compiled_update_gives_the_flat_forms_bits_as_one_op(derived, one_buffer, adaptive):
+    """``KahanEMA(compiled=True)`` (``perf.compile_optimizer``): 60 updates of a source that grows
+    through the headroom (the adaptive shifts change, the copies are rescaled), then overflows
+    (a fixed K meets its ceiling, the record names the update), give the eager flat form's
+    buffers, shifts, counts, record and target bit for bit; each update dispatches the op, the
+    peaks' foreach norm and the source's join (none where the source lies in one buffer), and no
+    per-tensor loop."""
+    from pixelsac.perf.dispatch import DispatchCount
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        source = _Critic().half()
+        if one_buffer:
+            HAdam(source.parameters(), lr=1e-3, unbiased_moments=True, compiled=True)
+        target = None if derived else _Critic().half()
+        ema = KahanEMA(
+            source, target, scale=K, derived_target=derived, adaptive_scale=adaptive, check_every_update=False,
+            compiled=compiled,
+        )  # fmt: skip
+        counts = []
+        for _ in range(60):
+            with torch.no_grad():
+                for param in source.parameters():
+                    param.mul_(1.1).add_(torch.randn_like(param) * 0.01)  # |θ| grows past H/K = 1.64, then 6.55
+            with DispatchCount(sites=False) as count:
+                ema.update_(TAU)
+            counts.append(count)
+        return ema, counts
+
+    compiled_ema, compiled_counts = run(True)
+    eager_ema, _ = run(False)
+    if adaptive:
+        assert int(eager_ema.scale_shifts.min()) < 0  # the scales moved
+        assert eager_ema.first_nonfinite_update() is None
+    else:
+        assert eager_ema.first_nonfinite_update() is not None  # K·θ overflowed
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # bit for bit, a NaN where the other has one
+        return a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+    for name, value in eager_ema.state_dict().items():
+        assert same(compiled_ema.state_dict()[name], value), name
+    for a, b in zip(compiled_ema.target_parameters(), eager_ema.target_parameters()):
+        assert same(a, b)
+    last = compiled_counts[-1]
+    assert last.ops["pixelsac_lowp.kahan_target_update.default"] == 1
+    assert not last.per_tensor
+    expected = 1 + adaptive + (not one_buffer) + (not derived)  # op, norm, join, target copy
+    assert last.kernels == expected, dict(last.ops)
+
+
+def test_the_compiled_update_keeps_kahans_compensation():
+    """The compensation is a round trip through fp16 that inductor would drop inside a kernel
+    without ``emulate_precision_casts``. θ = 1 + 3 ulps, θ̄ = 1: each increment τ·K·(θ - θ̄) ≈ 0.15
+    is a fiftieth of an ulp of θ̄_S = 10,000 (8), so only the compensation moves θ̄_S. After 300
+    updates the compiled target sits within the tracking bound of float64's EMA (the uncompensated
+    copy would still be 1, 2.3e-3 away: outside it), and its buffers equal the eager update's."""
+    start = torch.full((64,), 1.0, dtype=F16)
+    theta = start + 3 * float(fp16_ulp(start[0]))
+    ema = KahanEMA(*make_pair(theta), scale=K, adaptive_scale=True, compiled=True)
+    eager = KahanEMA(*make_pair(theta), scale=K, adaptive_scale=True)
+    for module in (ema, eager):
+        with torch.no_grad():
+            module.scaled_params.weight.fill_(K)  # θ̄ = 1 (θ̄_S = K·1), behind θ by 3 ulps
+            module.target.weight.fill_(1.0)
+    for _ in range(300):
+        ema.update_(TAU)
+        eager.update_(TAU)
+    for name, value in eager.state_dict().items():
+        assert torch.equal(ema.state_dict()[name], value), name
+    want = float64_ema(start, [theta] * 300)
+    got = ema.target.weight.detach().view(-1).double()
+    assert float((want - start.double()).abs().max()) > 2e-3  # where an uncompensated θ̄ (still 1) would be
+    assert ((got - want).abs() <= tracking_tolerance(theta.double())).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_compiled_update_equals_the_flat_form_and_replays_in_a_cuda_graph():
+    """On CUDA (triton kernels): 40 adaptive updates compiled equal the eager flat form's bit for
+    bit, and the compiled update captured in a CUDA graph and replayed moves the buffers as the
+    eager update does, with no host read inside."""
+    device = torch.device("cuda")
+
+    def make(compiled: bool) -> tuple[nn.Module, KahanEMA]:
+        torch.manual_seed(0)
+        source = _Critic().half().to(device)
+        ema = KahanEMA(
+            source, None, scale=K, derived_target=True, adaptive_scale=True, check_every_update=False,
+            compiled=compiled,
+        )  # fmt: skip
+        return source, ema
+
+    (source_a, compiled), (source_b, eager) = make(True), make(False)
+    for _ in range(40):
+        with torch.no_grad():
+            for a, b in zip(source_a.parameters(), source_b.parameters()):
+                a.mul_(1.1).add_(0.01)
+                b.mul_(1.1).add_(0.01)
+        compiled.update_(TAU)
+        eager.update_(TAU)
+    for name, value in eager.state_dict().items():
+        assert torch.equal(compiled.state_dict()[name], value), name
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        compiled.update_(TAU)
+    for _ in range(3):
+        graph.replay()
+        eager.update_(TAU)
+    torch.cuda.synchronize()
+    for name, value in eager.state_dict().items():
+        assert torch.equal(compiled.state_dict()[name], value), name

@@ -32,13 +32,13 @@ OBS_SHAPE, ACTION_DIM = (9, 84, 84), 1  # cartpole's: the counts shrink the imag
 #: host. Kernels: the GPU launches the counter estimates (views and allocations left out, a
 #: foreach op CUDA runs tensor by tensor counted per tensor: pixelsac/perf/dispatch.py).
 BUDGETS = {
-    "fp32": {"full": (808, 455, 8), "critic-only": (502, 263, 8)},
-    "fp16": {"full": (1538, 1037, 90), "critic-only": (769, 469, 44)},
-    "fp16-six": {"full": (1181, 1003, 30), "critic-only": (612, 560, 17)},
-    "bf16": {"full": (1437, 943, 143), "critic-only": (713, 416, 47)},
-    # hAdam's step and the loss scaler's bookkeeping compiled (perf.compile_optimizer): one op each
-    "fp16-compiled": {"full": (981, 566, 48), "critic-only": (591, 306, 30)},
-    "bf16-compiled": {"full": (996, 581, 96), "critic-only": (580, 295, 30)},
+    "fp32": {"full": (606, 371, 6), "critic-only": (300, 179, 6)},
+    "fp16": {"full": (1336, 953, 88), "critic-only": (567, 385, 42)},
+    "fp16-six": {"full": (979, 919, 28), "critic-only": (410, 476, 15)},
+    "bf16": {"full": (1235, 859, 141), "critic-only": (511, 332, 45)},
+    # hAdam's step, the loss scaler's bookkeeping and the target update compiled (perf.compile_optimizer)
+    "fp16-compiled": {"full": (734, 441, 42), "critic-only": (389, 222, 28)},
+    "bf16-compiled": {"full": (749, 456, 90), "critic-only": (378, 211, 28)},
 }
 
 
@@ -86,25 +86,31 @@ def test_an_update_stays_within_its_op_cast_and_host_read_budget(mode):
     print(f"{mode}: {counts}, hAdam steps (parameters, ops) {steps}")
 
 
-def test_fp16_dispatches_at_most_twice_fp32s_ops():
-    """Where the budgets stand against fp32: the goal is 1.25x (issue 36); the rest is hAdam's
-    per-element float32 step and its stochastic rounding, a few dozen ops each (docs/performance.md)."""
-    for mode in ("fp16", "fp16-six", "bf16"):
-        assert BUDGETS[mode]["full"][0] <= 2 * BUDGETS["fp32"]["full"][0]
-        assert BUDGETS[mode]["full"][1] <= 2.3 * BUDGETS["fp32"]["full"][1]
+def test_what_the_eager_16_bit_modes_dispatch_beyond_fp32():
+    """Where the eager budgets stand against fp32, as what they add to it: hAdam's per-element
+    float32 step and its stochastic rounding, a few dozen ops each, the loss scalers, the
+    Kahan-momentum target and fp32 Q (docs/performance.md). Measured as a difference because the
+    rest is the same update: kornia's shift building its own map took 101 ops and 42 kernels off
+    every mode's count, which raised every ratio to fp32 without changing what fp16 adds."""
+    beyond = {"fp16": (730, 582), "fp16-six": (373, 548), "bf16": (629, 488)}
+    for mode, (ops, kernels) in beyond.items():
+        assert BUDGETS[mode]["full"][0] - BUDGETS["fp32"]["full"][0] <= ops
+        assert BUDGETS[mode]["full"][1] - BUDGETS["fp32"]["full"][1] <= kernels
 
 
 def test_the_compiled_step_takes_fp16_within_1_25x_fp32s_ops_and_kernels():
     """Issue 36 aims at 1.25x fp32's ops. With ``perf.compile_optimizer`` the three hAdam steps of
     a full update dispatch 40 ops instead of 497 (the gradients' views and one ``cat`` a bucket,
     then the step, which updates the parameters in their flat buffer and does the loss scaler's
-    rescale in its own pass) and each loss scaler's bookkeeping after a step is one op
-    (``fused_scaler.py``): 981 aten ops, 1.21x fp32's 808, and 566 estimated kernels, 1.24x
-    fp32's 455 (each compiled op counted as one: inductor generates a few kernels inside).
-    Before the kernel estimate existed the op count stood at 999 (1.24x) while hiding ~90
-    kernels that CUDA ran tensor by tensor in the Kahan-momentum target (699 kernels, 1.54x).
-    What remains is the loss scalers' gradient checks, the adaptive target's scale choice and
-    fp32 Q's casts (docs/performance.md)."""
+    rescale in its own pass), each loss scaler's bookkeeping after a step is one op
+    (``fused_scaler.py``) and so is the Kahan-momentum target's update (``fused_target.py``,
+    after one foreach norm of the peaks): 734 aten ops, 1.21x fp32's 606, and 441 estimated
+    kernels, 1.19x fp32's 371 (each compiled op counted as one: inductor generates a few kernels
+    inside). Before kornia's shift built its own map (101 ops and 42 kernels off every mode) the
+    figures were 981 / 808 and 566 / 455 with the target eager; before the kernel estimate
+    existed the op count stood at 999 (1.24x) while hiding ~90 kernels that CUDA ran tensor by
+    tensor in the target (699 kernels, 1.54x). What remains above fp32 is the loss scalers'
+    gradient checks, fp32 Q's casts and the derived target's division (docs/performance.md)."""
     counts, steps = count("fp16-compiled")
     assert counts["full"].ops <= 1.25 * BUDGETS["fp32"]["full"][0], counts
     assert counts["full"].kernels <= 1.25 * BUDGETS["fp32"]["full"][1], counts

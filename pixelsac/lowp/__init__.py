@@ -8,7 +8,8 @@ torch:
   unbiased step optionally compiled into a few kernels (``fused.py``).
 * :class:`KahanAdam` — plain Adam with Kahan-gradients (for the "no hAdam" ablation).
 * :class:`CompoundLossScaler` — loss scaling carried into the optimizer state.
-* :class:`KahanEMA` — Kahan-momentum for the target network.
+* :class:`KahanEMA` — Kahan-momentum for the target network; its flat update optionally compiled
+  into one op (``fused_target.py``).
 * :class:`SquashedNormal` — tanh-Gaussian with the softplus-fix and normal-fix.
 * :func:`fp32_accumulate` — CPU emulation of fp16 tensor-core matmuls/convolutions.
 * :func:`split_k_linear`, :class:`SplitKLinear` — split-K for long fp16/bf16 matmuls with every

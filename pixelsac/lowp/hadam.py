@@ -189,8 +189,8 @@ class HAdam(Optimizer):
     included, a foreach op counted once; bias corrections and rounding keys are vectors over the
     bucket, the per-element spreads gathers, the flat views of parameters and state kept from step
     to step) -- DrQ's critic 187, actor 165, ``log_alpha`` 145 in fp16 -- and a whole fp16
-    update (critic, actor, temperature and target, forward and backward) 1,538, against fp32's
-    808, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
+    update (critic, actor, temperature and target, forward and backward) 1,336, against fp32's
+    606, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
     2^18-element chunks the same update at 84×84 dispatched 5,415 (~30 ops a chunk; counted when
     the whole update was 1,465), which is why a GPU takes whole buckets.
 
