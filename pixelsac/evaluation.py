@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from pixelsac import cli
+from pixelsac import cli, files
 from pixelsac.checkpoint import CheckpointError
 from pixelsac.config import REPORT_SEED_OFFSET, ConfigError
 
@@ -209,7 +209,7 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
         env.action_repeat,
         device,
     )
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    files.write_atomically(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
     out(_table_footer(returns))
     out(
         f"wrote {out_dir / 'results.json'}"

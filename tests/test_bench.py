@@ -349,3 +349,29 @@ def test_the_sync_free_part_changes_perf_sync_free_alone(tmp_path):
     # a CPU has no capturable Adam: fused is what keeps fp32's step off the host there
     assert adam(by_variant["sync_free"]["fp32"], "cpu")["fused"]
     assert adam(by_variant["host_sync"]["fp32"], "cpu")["foreach"]
+
+
+def test_a_report_write_that_fails_leaves_the_previous_reports_whole(tmp_path, monkeypatch):
+    """The reports are rewritten after every cell, so a benchmark cut or failing mid-write must
+    leave each file as it was: written beside it and renamed (pixelsac.files), never in place. A
+    failure after the bytes are written (here: fsync) keeps the old bench.csv/md/json/png and
+    leaves no temporary."""
+    import os
+
+    args = [*TINY, "bench.modes=fp32", "bench.isolate=false", f"bench.out={tmp_path / 'bench'}"]
+    assert bench.main(args) == 0
+    plan = plan_mod.make_plan([*args, "bench.overwrite=true"])
+    before = {p.name: p.read_bytes() for p in plan.out.iterdir()}
+    assert set(before) == {"bench.csv", "bench.md", "bench.json", "bench.png"}
+    meta = json.loads(before["bench.json"])
+    rows = [{**r, "ms_mean": r["ms_mean"] * 2} for r in meta["rows"]]
+
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError):
+        report.write_outputs(plan, rows, meta["header"], with_chart=False)
+    with pytest.raises(OSError):
+        report.chart(rows, plan.out / "bench.png", "title")
+    assert {p.name: p.read_bytes() for p in plan.out.iterdir()} == before

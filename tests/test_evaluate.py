@@ -401,3 +401,19 @@ def test_an_fp32_agent_on_a_gpu_evaluates_with_tf32_only_when_trained_so(tmp_pat
     module = ev.load_agent(file, checkpoint, torch.device("cuda"))
     assert module.precision_policy.tf32 is tf32
     assert torch.backends.cudnn.allow_tf32 is tf32 and torch.backends.cuda.matmul.allow_tf32 is tf32
+
+
+def test_a_results_file_that_cannot_be_written_whole_is_not_left_half_written(run16, tmp_path, monkeypatch):
+    """results.json is written beside its name and renamed (pixelsac.files): a write that fails
+    after its bytes (here: fsync) leaves no results.json and no temporary behind."""
+    import os
+
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    out_dir = tmp_path / "eval"
+    options = ev.parse_options([f"checkpoint={run16}", "episodes=1", "video=false", f"out_dir={out_dir}"])
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError):
+        ev.evaluate(options, out=lambda line: None)
+    assert list(out_dir.iterdir()) == []

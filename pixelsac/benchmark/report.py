@@ -4,12 +4,14 @@ bench.png) with what each memory figure counts."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import statistics
 from pathlib import Path
 from typing import Any
 
+from pixelsac import files
 from pixelsac.allocator import describe as malloc_settings
 from pixelsac.benchmark.plan import Plan
 
@@ -363,7 +365,8 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with files.replace_atomically(path) as file:  # a run cut while saving leaves the old chart, not half a new one
+        fig.savefig(file, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -377,12 +380,14 @@ def write_outputs(
     import csv
 
     plan.out.mkdir(parents=True, exist_ok=True)
-    with open(plan.out / "bench.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k) for k in CSV_COLUMNS})
-    (plan.out / "bench.md").write_text(markdown(plan, rows, header, interleaved))
+    # each file whole or as it was: a benchmark rewrites them after every cell, and may be cut anywhere
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: row.get(k) for k in CSV_COLUMNS})
+    files.write_atomically(plan.out / "bench.csv", table.getvalue())
+    files.write_atomically(plan.out / "bench.md", markdown(plan, rows, header, interleaved))
     meta = {
         "header": header,
         "notes": plan.notes,
@@ -392,7 +397,7 @@ def write_outputs(
         "rows": rows,
         "interleaved": interleaved or [],
     }
-    (plan.out / "bench.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    files.write_atomically(plan.out / "bench.json", json.dumps(meta, indent=2, default=str) + "\n")
     if with_chart:
         chart(rows, plan.out / "bench.png", header[0].removeprefix("- "))
 
