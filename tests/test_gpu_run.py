@@ -448,3 +448,66 @@ def test_the_learning_script_archives_each_mode_as_it_goes(tmp_path):
     returns = (out / "returns.md").read_text()
     assert re.search(r"\| fp16 \| 2\d\d: ", returns), returns  # an evaluation at 240 env frames
     assert "lowp/target_peak" in returns
+
+
+def test_goals_runs_only_what_the_speed_goals_need_and_fits():
+    """GOALS=1: the GPU tests (which decide whether CUDA graphs are timed), the goals bench (fp32,
+    fp16 and fp16-compiled at batches 512 and 128, eager and graphed) and the fast run with the
+    compiled optimizer and parallel environments; nothing else, within TOTAL."""
+    result = plan(GOALS="1")
+    assert result.returncode == 0 and "every part fits" in result.stdout, result.stdout
+    assert list(plan_steps(result.stdout)) == ["gpu_tests", "goals", "fast"]
+    text = SCRIPT.read_text()
+    assert "bench.batch_sizes=512,128 bench.modes=fp32,fp16,fp16-compiled bench.cuda_graphs=$GRAPHS" in text
+    assert "perf.compile_optimizer=true env.num_envs=$GOALS_ENVS" in text
+    assert script_defaults()["GOALS"] == 0 and script_defaults()["GOALS_ENVS"] == 8
+
+
+def _goals_work(tmp_path: Path, ms: dict[tuple[str, int], float], frames_per_s: list[float] | None) -> Path:
+    import json
+
+    work = tmp_path / "work"
+    (work / "goals").mkdir(parents=True)
+    rows = []
+    for (mode, batch), value in ms.items():
+        for variant, factor in (("sync_free", 3.0), ("sync_free+cuda_graphs", 1.0)):  # eager rows are slower
+            row = {"mode": mode, "batch_size": batch, "variant": variant, "ms_mean": value * factor, "status": "ok"}
+            rows.append(row)
+    (work / "goals" / "bench.json").write_text(json.dumps({"rows": rows}))
+    (work / "goals" / "bench.md").write_text("# pixelsac update-step benchmark\n\n| table |\n")
+    (work / "status.tsv").write_text("gpu_tests\tok\t0\t40\t75\t\ngoals\tok\t0\t120\t180\t\nfast\tok\t0\t90\t110\t\n")
+    if frames_per_s is not None:
+        run = work / "fast_fp16"
+        run.mkdir()
+        (run / "summary.json").write_text(_summary(9.0))
+        (run / "config.yaml").write_text("env:\n  num_envs: 8\nperf:\n  compile_optimizer: true\n")
+        (run / "metrics.csv").write_text(
+            "env_frames,perf/env_frames_per_s\n" + "".join(f"{i},{v}\n" for i, v in enumerate(frames_per_s))
+        )
+        (work / "fast_fp16.rc").write_text("0\n")
+    return work
+
+
+def test_the_report_opens_with_each_goal_its_figure_and_whether_it_is_met(tmp_path):
+    """From the graphed rows only (eager rows here are 3x slower and must not count): batch 512
+    fp16-compiled 5.5 ms (<= 6: met) at 2.36x fp32's 13 ms (< 2.5: not met); batch 128 fp16
+    2.8 ms (<= 3: met), 2.14x (>= 2: met); end to end the median of the later half of the log
+    intervals (compilation and capture in the first ones): 820 frames/s, met."""
+    ms = {("fp32", 512): 13.0, ("fp16", 512): 7.0, ("fp16-compiled", 512): 5.5,
+          ("fp32", 128): 6.0, ("fp16", 128): 2.8, ("fp16-compiled", 128): 3.1}  # fmt: skip
+    work = _goals_work(tmp_path, ms, [90.0, 400.0, 780.0, 820.0, 830.0, 815.0])
+    text = gpu_report.report(work, tmp_path / "out", final=True)
+    goals = text.split("## Goals", 1)[1].split("## Parts", 1)[0]
+    assert "batch 512, CUDA graphs: fp16 update <= 6 ms: met (fp16 7.00 ms, fp16-compiled 5.50 ms)" in goals
+    assert "batch 512, CUDA graphs: fp16 >= 2.5x fp32 (13.00 ms): not met (fp16 1.86x, fp16-compiled 2.36x)" in goals
+    assert "batch 128, CUDA graphs: fp16 update <= 3 ms: met" in goals
+    assert "batch 128, CUDA graphs: fp16 >= 2x fp32 (6.00 ms): met" in goals
+    assert ">= 800 env frames/s: met (820)" in goals
+    assert "(8 environments, compiled optimizer)" in text
+
+
+def test_goals_not_measured_say_so(tmp_path):
+    """A goals part cut before its graphed cells, and no finished fast run: every goal "not measured"."""
+    work = _goals_work(tmp_path, {}, None)
+    goals = gpu_report.report(work, tmp_path / "out").split("## Goals", 1)[1].split("## Parts", 1)[0]
+    assert goals.count("not measured") == 3 and " met" not in goals

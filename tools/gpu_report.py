@@ -26,12 +26,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tarfile
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-BENCH_PARTS = ("bench512", "bench128", "syncfree", "ablations", "layout", "batchsrc", "compile", "optstep")
+BENCH_PARTS = ("goals", "bench512", "bench128", "syncfree", "ablations", "layout", "batchsrc", "compile", "optstep")
+#: the speed goals the ``goals`` part and its fast run measure (on an H200-class GPU, CUDA graphs):
+#: an fp16 update's ms at most, and fp16's speed-up over fp32 at least, per batch size
+GOAL_MS = {512: 6.0, 128: 3.0}
+GOAL_SPEEDUP = {512: 2.5, 128: 2.0}
+GOAL_FRAMES_PER_S = 800.0
+FP16_MODES = ("fp16", "fp16-compiled")
 #: training run -> (the part it runs in, what it is)
 RUNS = {
     "fast_fp16": ("fast", "fp16 + six, CUDA graphs and GPU-resident replay, alone on the device"),
@@ -100,6 +107,20 @@ def ended(rc: int, part_state: str | None) -> str:
     return "CRASHED"
 
 
+def _run_settings(run_dir: Path) -> str:
+    """The settings a goals run adds, read from its stored config.yaml (plain text: ``num_envs: 8``,
+    ``compile_optimizer: true``), as words to append to its description."""
+    try:
+        text = (run_dir / "config.yaml").read_text()
+    except OSError:
+        return ""
+    envs = re.search(r"^\s*num_envs:\s*(\d+)", text, flags=re.M)
+    compiled = re.search(r"^\s*compile_optimizer:\s*true", text, flags=re.M)
+    said = [f"{envs.group(1)} environments"] if envs and envs.group(1) != "1" else []
+    said += ["compiled optimizer"] if compiled else []
+    return f" ({', '.join(said)})" if said else ""
+
+
 def run_line(work: Path, run: str, what: str, part_state: str | None = None) -> str | None:
     """One line on a training run: its figures when it finished (exit 0), else how it ended
     (``part_state``: how the part that ran it ended, from ``status.tsv``)."""
@@ -115,6 +136,7 @@ def run_line(work: Path, run: str, what: str, part_state: str | None = None) -> 
     if not summary_path.is_file():
         return f"- {what}: exit 0 but no summary.json"
     s = json.loads(summary_path.read_text())
+    what += _run_settings(directory)
     fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     speed = (
         f"{fmt(s.get('speedup_vs_fp32'), '.2f')}x vs fp32 ({s.get('speedup_basis')})"
@@ -129,12 +151,82 @@ def run_line(work: Path, run: str, what: str, part_state: str | None = None) -> 
     )
 
 
+def _graphed_ms(work: Path) -> dict[tuple[str, int], float]:
+    """``(mode, batch) -> ms per update`` of the goals part's CUDA-graph cells that ran."""
+    path = work / "goals" / "bench.json"
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {
+        (r["mode"], int(r["batch_size"])): float(r["ms_mean"])
+        for r in rows
+        if r.get("status") == "ok" and "cuda_graphs" in (r.get("variant") or "") and r.get("ms_mean")
+    }
+
+
+def steady_frames_per_s(run_dir: Path) -> float | None:
+    """The median of the run's logged ``perf/env_frames_per_s`` over the later half of its log
+    intervals: the loop's rate once compilation and graph capture are behind it (the summary's
+    figure divides by the whole run, start-up included)."""
+    import csv
+    import statistics
+
+    try:
+        with (run_dir / "metrics.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        values = [float(row["perf/env_frames_per_s"]) for row in rows if row.get("perf/env_frames_per_s")]
+    except (OSError, ValueError, KeyError):
+        return None
+    later = values[len(values) // 2 :]
+    return statistics.median(later) if later else None
+
+
+def goals_lines(work: Path) -> list[str]:
+    """Each speed goal, the figure measured for it and whether it is met ("not measured" when
+    the part or run did not produce it). The fp16 figure is the faster of eager-step fp16 and
+    fp16-compiled, named."""
+    ms = _graphed_ms(work)
+    lines = []
+    for batch in GOAL_MS:
+        fp16 = [(ms[(mode, batch)], mode) for mode in FP16_MODES if (mode, batch) in ms]
+        best = min(fp16) if fp16 else None
+        fp32 = ms.get(("fp32", batch))
+        if best is None:
+            goal = f"fp16 update <= {GOAL_MS[batch]:g} ms, >= {GOAL_SPEEDUP[batch]:g}x fp32"
+            lines.append(f"- batch {batch}: {goal}: not measured")
+            continue
+        each = ", ".join(f"{mode} {value:.2f} ms" for value, mode in fp16)
+        met = "met" if best[0] <= GOAL_MS[batch] else "not met"
+        lines.append(f"- batch {batch}, CUDA graphs: fp16 update <= {GOAL_MS[batch]:g} ms: {met} ({each})")
+        if fp32 is None:
+            lines.append(f"- batch {batch}: fp16 >= {GOAL_SPEEDUP[batch]:g}x fp32: not measured (no graphed fp32 row)")
+        else:
+            speedups = ", ".join(f"{mode} {fp32 / value:.2f}x" for value, mode in fp16)
+            met = "met" if fp32 / best[0] >= GOAL_SPEEDUP[batch] else "not met"
+            goal = f"fp16 >= {GOAL_SPEEDUP[batch]:g}x fp32 ({fp32:.2f} ms)"
+            lines.append(f"- batch {batch}, CUDA graphs: {goal}: {met} ({speedups})")
+    rate = steady_frames_per_s(work / "fast_fp16") if _run_rc(work, "fast_fp16") == 0 else None
+    if rate is None:
+        goal = f">= {GOAL_FRAMES_PER_S:,.0f} env frames/s"
+        lines.append(f"- end to end: {goal}: not measured (the fast run did not finish)")
+    else:
+        met = "met" if rate >= GOAL_FRAMES_PER_S else "not met"
+        lines.append(
+            f"- end to end (fast_fp16, later half of its log intervals): >= {GOAL_FRAMES_PER_S:,.0f} env frames/s: "
+            f"{met} ({rate:,.0f})"
+        )
+    return lines
+
+
 def report(work: Path, out: Path, final: bool = False) -> str:
     lines = ["# pixelsac on a GPU: what half precision buys", ""]
     for name in ("device.txt", "plan.txt"):
         if (work / name).is_file():
             lines += [(work / name).read_text().strip(), ""]
     status = read_status(work)
+    if any(s["part"] == "goals" for s in status):
+        lines += ["## Goals", "", *goals_lines(work), ""]
     lines += ["## Parts", "", "| part | state | exit | seconds | limit | note |", "|---|---|---|---|---|---|"]
     lines += [
         f"| {s['part']} | {s['state']} | {s.get('rc', '')} | {s.get('seconds', '')} | {s.get('limit', '')} "

@@ -3,6 +3,7 @@
 #
 #   tools/gpu_run.sh OUT_DIR          # or: OUT=OUT_DIR tools/gpu_run.sh
 #   tools/gpu_run.sh --plan           # the time budget of the parts below; exit 1 if it does not fit
+#   GOALS=1 tools/gpu_run.sh OUT_DIR  # only what the speed goals need: GPU tests, goals, fast (below)
 #
 # How long: at most TOTAL seconds, 585 by default (9 min 45 s: it fits a 10-minute slot), the
 # worst case of every step running to its limit (`--plan` adds it up). Typically about 5 minutes:
@@ -29,6 +30,13 @@
 #   compile    fp32 and fp16 with torch.compile, batch 512 (off unless COMPILE=1)    (T_COMPILE)
 #   optstep    fp16 and bf16, hAdam eager vs compiled (perf.compile_optimizer), batches 512
 #              and 128, as CUDA graphs (off unless OPTSTEP=1; drop a part to fit it)  (T_OPTSTEP)
+# With GOALS=1 the parts are gpu_tests, then
+#   goals      fp32, fp16 and fp16-compiled (perf.compile_optimizer) at batches 512 and 128, eager
+#              and as CUDA graphs: the update-time goals (<= 6 / <= 3 ms, >= 2.5x / >= 2x fp32)
+#                                                                                        (T_GOALS)
+#   fast       as above, with the compiled optimizer and GOALS_ENVS parallel environments: the
+#              end-to-end goal (>= 800 env frames/s)                                     (T_FAST)
+# and report.md opens with each goal, the measured figure and whether it is met.
 # fp32 and fp16 come first in every part, so a part cut short still has the headline rows.
 # Learning curves are not part of it: a few minutes give a few hundred updates, which show nothing.
 #
@@ -53,8 +61,8 @@
 # Knobs (environment): TOTAL=585 GRACE=3 REPORT_S=4 FINAL_S=10 ARCHIVE_MB=20 START_S=30
 #   T_GL=10 T_WHEELS=30 T_CHECK=START_S T_SMI=5, and START_S plus: T_TESTS +45 T_B512 +25
 #   T_B128 +15 T_SF +25 T_ABL +25 T_CL +15 T_SRC +15 T_FAST +20 T_COMPILE +60 T_OPTSTEP +90;
-#   COMPILE=0 OPTSTEP=0
-#   N512=60 N128=60 N_ABL=20 N_CL=40 N_SF=40 N_COMPILE=40 N_OPTSTEP=40 WARMUP=10
+#   COMPILE=0 OPTSTEP=0 GOALS=0 (GOALS=1: T_GOALS +200, T_FAST_GOALS +110 for T_FAST, GOALS_ENVS=8)
+#   N512=60 N128=60 N_ABL=20 N_CL=40 N_SF=40 N_COMPILE=40 N_OPTSTEP=40 N_GOALS=60 WARMUP=10
 #   FAST_FRAMES=6000 (0 skips it) FAST_TASK=cartpole_swingup
 #   PYTHON=python3 DEVICE=cuda, BENCH_ARGS and FAST_ARGS (extra key=value overrides),
 #   GPU_TESTS=1 (0 skips part gpu_tests). A CPU smoke run (the tests do this):
@@ -71,7 +79,11 @@ T_TESTS=${T_TESTS:-$(( START_S + 45 ))}; T_B512=${T_B512:-$(( START_S + 25 ))}; 
 T_SF=${T_SF:-$(( START_S + 25 ))}; T_ABL=${T_ABL:-$(( START_S + 25 ))}; T_CL=${T_CL:-$(( START_S + 15 ))}
 T_SRC=${T_SRC:-$(( START_S + 15 ))}; T_FAST=${T_FAST:-$(( START_S + 20 ))}; T_COMPILE=${T_COMPILE:-$(( START_S + 60 ))}
 T_OPTSTEP=${T_OPTSTEP:-$(( START_S + 90 ))}  # triton compiles each form of the step once (not measured)
-COMPILE=${COMPILE:-0}; OPTSTEP=${OPTSTEP:-0}; GPU_TESTS=${GPU_TESTS:-1}
+COMPILE=${COMPILE:-0}; OPTSTEP=${OPTSTEP:-0}; GPU_TESTS=${GPU_TESTS:-1}; GOALS=${GOALS:-0}
+# the goals' compiled cells and run compile hAdam's step, the scalers' bookkeeping and the target
+# update with triton first (not measured: tens of seconds on a cold machine, allowed for here)
+T_GOALS=${T_GOALS:-$(( START_S + 200 ))}; N_GOALS=${N_GOALS:-60}; GOALS_ENVS=${GOALS_ENVS:-8}
+if [[ "$GOALS" != 0 ]]; then T_FAST=${T_FAST_GOALS:-$(( START_S + 110 ))}; fi
 N512=${N512:-60}; N128=${N128:-60}; N_ABL=${N_ABL:-20}; N_CL=${N_CL:-40}; N_SF=${N_SF:-40}
 N_COMPILE=${N_COMPILE:-40}; N_OPTSTEP=${N_OPTSTEP:-40}; WARMUP=${WARMUP:-10}
 FAST_FRAMES=${FAST_FRAMES:-6000}; FAST_TASK=${FAST_TASK:-cartpole_swingup}
@@ -81,11 +93,16 @@ MODES=fp32,fp16,tf32,amp,bf16,fp16-naive
 # name:limit of every part that this configuration runs, in order
 PARTS=()
 [[ "$GPU_TESTS" != 0 ]] && PARTS+=("gpu_tests:$T_TESTS")
-PARTS+=("bench512:$T_B512" "bench128:$T_B128" "syncfree:$T_SF" "ablations:$T_ABL" "layout:$T_CL"
-        "batchsrc:$T_SRC")
-[[ "$FAST_FRAMES" != 0 ]] && PARTS+=("fast:$T_FAST")
-[[ "$COMPILE" != 0 ]] && PARTS+=("compile:$T_COMPILE")
-[[ "$OPTSTEP" != 0 ]] && PARTS+=("optstep:$T_OPTSTEP")
+if [[ "$GOALS" != 0 ]]; then
+  PARTS+=("goals:$T_GOALS")
+  [[ "$FAST_FRAMES" != 0 ]] && PARTS+=("fast:$T_FAST")
+else
+  PARTS+=("bench512:$T_B512" "bench128:$T_B128" "syncfree:$T_SF" "ablations:$T_ABL" "layout:$T_CL"
+          "batchsrc:$T_SRC")
+  [[ "$FAST_FRAMES" != 0 ]] && PARTS+=("fast:$T_FAST")
+  [[ "$COMPILE" != 0 ]] && PARTS+=("compile:$T_COMPILE")
+  [[ "$OPTSTEP" != 0 ]] && PARTS+=("optstep:$T_OPTSTEP")
+fi
 
 plan() {  # the worst case, step by step; exit status 1 when it does not fit TOTAL
   local setup=$(( T_GL + T_WHEELS + GRACE + T_CHECK + GRACE + T_SMI + REPORT_S )) sum=0 entry name limit
@@ -266,28 +283,35 @@ if [[ "$GPU_TESTS" != 0 ]]; then
 fi
 [[ "$DEVICE" == cuda && "$GRAPHS" == off ]] && say "CUDA graphs are not timed: the GPU tests did not show them equal to eager updates"
 
-bench bench512 bench.batch_sizes=512 bench.modes=$MODES bench.updates="$N512"
-bench bench128 bench.batch_sizes=128 bench.modes=$MODES bench.updates="$N128"
-bench syncfree bench.batch_sizes=512 bench.modes=fp32,fp16 bench.sync_free=both bench.cuda_graphs=$GRAPHS \
-  bench.updates="$N_SF"
-bench ablations bench.batch_sizes=512 bench.modes=fp16 bench.ablations=true bench.updates="$N_ABL"
-bench layout bench.batch_sizes=512 bench.modes=fp32,fp16 bench.channels_last=both bench.updates="$N_CL"
-bench batchsrc bench.batch_sizes=512 bench.modes=fp16 bench.batch=all bench.updates="$N_SF"
+if [[ "$GOALS" != 0 ]]; then
+  bench goals bench.batch_sizes=512,128 bench.modes=fp32,fp16,fp16-compiled bench.cuda_graphs=$GRAPHS \
+    bench.updates="$N_GOALS"
+else
+  bench bench512 bench.batch_sizes=512 bench.modes=$MODES bench.updates="$N512"
+  bench bench128 bench.batch_sizes=128 bench.modes=$MODES bench.updates="$N128"
+  bench syncfree bench.batch_sizes=512 bench.modes=fp32,fp16 bench.sync_free=both bench.cuda_graphs=$GRAPHS \
+    bench.updates="$N_SF"
+  bench ablations bench.batch_sizes=512 bench.modes=fp16 bench.ablations=true bench.updates="$N_ABL"
+  bench layout bench.batch_sizes=512 bench.modes=fp32,fp16 bench.channels_last=both bench.updates="$N_CL"
+  bench batchsrc bench.batch_sizes=512 bench.modes=fp16 bench.batch=all bench.updates="$N_SF"
+fi
 
 if [[ "$FAST_FRAMES" != 0 ]]; then
   # seed steps (random actions, no updates) a tenth of the agent steps (cartpole repeats each
   # action 8 times), so the figure is about updates: the default would be 80% of this budget
   seed_steps=$(( FAST_FRAMES / 8 / 10 ))
   fast_graphs=$([[ "$GRAPHS" == both ]] && echo true || echo false)
+  fast_goals=$([[ "$GOALS" != 0 ]] && echo "perf.compile_optimizer=true env.num_envs=$GOALS_ENVS")
   part fast bash -c "train_run fast_fp16 fp16 train.env_frames=$FAST_FRAMES train.seed_steps=$seed_steps \
-    train.eval_every_frames=$FAST_FRAMES train.eval_episodes=2 perf.cuda_graphs=$fast_graphs replay.device=auto"
+    train.eval_every_frames=$FAST_FRAMES train.eval_episodes=2 perf.cuda_graphs=$fast_graphs replay.device=auto \
+    $fast_goals"
 fi
 
-if [[ "$COMPILE" != 0 ]]; then
+if [[ "$COMPILE" != 0 && "$GOALS" == 0 ]]; then
   bench compile bench.batch_sizes=512 bench.modes=fp32,fp16 bench.compile=on bench.updates="$N_COMPILE"
 fi
 
-if [[ "$OPTSTEP" != 0 ]]; then
+if [[ "$OPTSTEP" != 0 && "$GOALS" == 0 ]]; then
   bench optstep bench.batch_sizes=512,128 bench.modes=fp16,fp16-compiled,bf16,bf16-compiled \
     bench.cuda_graphs=$GRAPHS bench.updates="$N_OPTSTEP"
 fi
