@@ -70,8 +70,13 @@ def resolve_run(argv: list[str]) -> tuple[Any, Any]:
     """
     from pixelsac import checkpoint as ckpt
     from pixelsac.envs import available_tasks
+    from pixelsac.envs.dmc import listed_cuda_index, select_egl_device
 
     given = parse_overrides(argv)
+    if str(given.get("trainer.accelerator", "auto")).lower() != "cpu":
+        # validating the task imports dm_control, which opens its EGL display: on the GPU of a listed
+        # device (trainer.devices=[2,3]) when the command line names one, else as egl_device_for_process says
+        select_egl_device(listed_cuda_index(given.get("trainer.devices"), os.environ))
     resume, run_dir = given.get("resume"), given.get("run_dir")
     if resume == "auto":
         if not run_dir:

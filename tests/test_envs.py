@@ -450,3 +450,60 @@ def test_egl_device_is_set_before_dm_control_is_imported_and_the_renderer_is_sai
     said = [line for line in result.stderr.splitlines() if line.startswith("render:")]
     assert len(said) == 1, result.stderr
     assert "MUJOCO_GL=egl, EGL device 0 (local rank 1), GL renderer '" in said[0]
+
+
+@pytest.mark.parametrize(
+    "devices,local_rank,expected",
+    [
+        ([2, 3], None, 2),  # rank 0, started before LOCAL_RANK is set
+        ([2, 3], "1", 3),
+        ("2,3", "1", 3),
+        ("1,", None, 1),
+        ([2, 3], "2", None),  # more ranks than listed devices
+        (2, "1", None),  # a count: rank r on device r, which LOCAL_RANK says
+        ("2", "1", None),
+        (-1, None, None),
+        ("auto", None, None),
+        ([True], None, None),
+        ("a,b", None, None),
+    ],
+)
+def test_a_listed_device_is_the_one_each_rank_trains_on(devices, local_rank, expected):
+    from pixelsac.envs.dmc import listed_cuda_index
+
+    environ = {} if local_rank is None else {"LOCAL_RANK": local_rank}
+    assert listed_cuda_index(devices, environ) == expected
+
+
+@pytest.mark.parametrize(
+    "visible,local_rank,expected",
+    [(None, "1", "3"), (None, None, "2"), ("4,5,6,7", "1", "7"), ("4,5,6,7", None, "6")],
+)
+def test_a_run_with_a_device_list_renders_on_its_ranks_gpu_before_dm_control_loads(
+    monkeypatch, visible, local_rank, expected
+):
+    """``trainer.devices=[2,3]``: rank r trains on the r-th listed device, so it renders there; the
+    EGL device is chosen before the task is validated (which imports dm_control, whose EGL
+    display opens at import). Before, every rank without a count of devices rendered on
+    LOCAL_RANK's device (rank 1 on EGL device 1, not 3)."""
+    import pixelsac.envs
+    import pixelsac.envs.dmc as dmc
+    from pixelsac import train
+
+    seen = []
+    monkeypatch.setattr(dmc, "_nvidia_gpu_count", lambda: 8)
+    monkeypatch.setattr(
+        pixelsac.envs,
+        "available_tasks",
+        lambda: seen.append(os.environ.get("MUJOCO_EGL_DEVICE_ID")) or ["cartpole_swingup"],
+    )
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    monkeypatch.setenv("MUJOCO_EGL_DEVICE_ID", "unset")  # recorded, so that what the run sets is undone
+    monkeypatch.delenv("MUJOCO_EGL_DEVICE_ID")
+    for name, value in (("CUDA_VISIBLE_DEVICES", visible), ("LOCAL_RANK", local_rank)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    train.resolve_run(["task=cartpole_swingup", "trainer.devices=[2,3]"])
+    assert seen == [expected]

@@ -93,9 +93,9 @@ def egl_device_for_process(environ: Mapping[str, str], nvidia_gpus: int, cuda_in
     set ``MUJOCO_EGL_DEVICE_ID``, when rendering is not EGL, when there is no NVIDIA GPU (Mesa's
     software EGL has one device: every process shares it), or when the mapping is unknown (GPUs
     listed by UUID, an index past the list). A run given an explicit device list
-    (``trainer.devices=[2,3]``) trains rank r on the r-th entry of that list, which is not known
-    when dm_control loads: set ``MUJOCO_EGL_DEVICE_ID`` there, or ``CUDA_VISIBLE_DEVICES=2,3``
-    with ``trainer.devices=2``.
+    (``trainer.devices=[2,3]``) trains rank r on the r-th entry of that list:
+    :func:`listed_cuda_index` finds it from the command line, which the training entry reads
+    before dm_control loads.
     """
     if "MUJOCO_EGL_DEVICE_ID" in environ or environ.get("MUJOCO_GL") != "egl" or nvidia_gpus <= 0:
         return None
@@ -119,6 +119,26 @@ def _nvidia_gpu_count() -> int:
         return len(os.listdir(_NVIDIA_GPUS))
     except OSError:
         return 0
+
+
+def listed_cuda_index(devices: Any, environ: Mapping[str, str]) -> int | None:
+    """The CUDA device (torch's index) this process trains on when Lightning's ``trainer.devices``
+    lists the devices -- ``[2, 3]``, ``"2,3"`` or ``"1,"``: local rank r on the r-th entry --
+    else None (a count, ``-1`` or ``auto``: rank r on device r, which ``LOCAL_RANK`` says)."""
+    if isinstance(devices, str) and "," in devices:
+        entries = [item.strip() for item in devices.split(",") if item.strip()]
+        if not all(item.isdigit() for item in entries):
+            return None
+        devices = [int(item) for item in entries]
+    if not isinstance(devices, (list, tuple)) or not devices:
+        return None
+    local_rank = environ.get("LOCAL_RANK", "0").strip() or "0"
+    if not local_rank.isdigit() or int(local_rank) >= len(devices):
+        return None
+    entry = devices[int(local_rank)]
+    if isinstance(entry, bool) or not isinstance(entry, int) or entry < 0:
+        return None
+    return entry
 
 
 def select_egl_device(cuda_index: int | None = None) -> str | None:
