@@ -303,7 +303,9 @@ def test_the_kept_views_follow_parameters_and_state_given_new_storage(kahan):
 
 
 def test_a_step_after_the_first_makes_views_of_the_gradients_only():
-    """The flat views of parameters and state are made once: later steps view each gradient."""
+    """The flat views of parameters and state are made once: later steps view each gradient (and
+    make the three views of the paired rounding of root moments and weights, whatever the number
+    of parameters: the stacked pair flattened, its noise flattened, the result shaped back)."""
     from dispatch_count import DispatchCount
 
     gen = torch.Generator().manual_seed(0)
@@ -316,7 +318,25 @@ def test_a_step_after_the_first_makes_views_of_the_gradients_only():
         with DispatchCount() as count:
             opt.step(found_inf=torch.tensor(0.0))
         views.append(count.ops["aten.view.default"])
-    assert views[1] == views[2] == len(params) < views[0], views
+    assert views[1] == views[2] == len(params) + 3 < views[0], views
+
+
+def test_two_tensors_of_the_same_elements_rounded_in_one_call_are_two_calls():
+    """hAdam rounds its root moments and (without Kahan buffers) its weights in one call: rows of
+    a ``(2, n)`` tensor with a key per row (``(2, 1)``: one stream each) or per element
+    (``(2, n)``: several parameters' streams), over one counter of ``n``. Each row gets the bits
+    of its own call; swapping the keys changes them."""
+    gen = torch.Generator().manual_seed(2)
+    rows = torch.randn(2, 500, generator=gen)
+    counter = torch.arange(500, dtype=torch.int32).flip(0)  # any element order: a channels-last read
+    keys = torch.tensor([mix_key(5, 6), mix_key(7, 8)], dtype=torch.int64)
+    per_element = torch.stack([torch.randint(0, 2**31, (500,), generator=gen) for _ in range(2)]).to(torch.int32)
+    for dtype in (F16, BF16):
+        for key in (keys.view(2, 1), per_element):
+            together = stochastic_round(rows, dtype, key, counter=counter)
+            apart = torch.stack([stochastic_round(rows[r], dtype, key[r].squeeze(), counter=counter) for r in range(2)])
+            assert together.shape == rows.shape and torch.equal(together, apart)
+            assert not torch.equal(together, stochastic_round(rows, dtype, key.flip(0), counter=counter))
 
 
 def test_stochastic_rounding_of_several_streams_in_one_call_is_one_call_per_stream():

@@ -185,11 +185,12 @@ class HAdam(Optimizer):
             parameters and optimizers spanning several devices or dtypes stay eager.
 
     Op budget (what a GPU pays in launches): a sync-free step of one bucket with
-    ``chunk_numel=None`` dispatches at most ``145 + 2.5·n`` aten ops for ``n`` parameters (views
+    ``chunk_numel=None`` dispatches at most ``115 + 2.5·n`` aten ops for ``n`` parameters (views
     included, a foreach op counted once; bias corrections and rounding keys are vectors over the
     bucket, the per-element spreads gathers, the flat views of parameters and state kept from step
-    to step) -- DrQ's critic 187, actor 165, ``log_alpha`` 145 in fp16 -- and a whole fp16
-    update (critic, actor, temperature and target, forward and backward) 1,336, against fp32's
+    to step, the root moments and the weights stochastically rounded in one call) -- DrQ's critic
+    158, actor 136, ``log_alpha`` 113 in fp16 -- and a whole fp16
+    update (critic, actor, temperature and target, forward and backward) 1,246, against fp32's
     606, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
     2^18-element chunks the same update at 84×84 dispatched 5,415 (~30 ops a chunk; counted when
     the whole update was 1,465), which is why a GPU takes whole buckets.
@@ -631,8 +632,24 @@ class HAdam(Optimizer):
             denom32 = (root32 / root_correction).add_(eps).clamp_min_(tiny32)
             update32 = avg32.div(denom32).mul_(step_size)
             del denom32, grad32
-            new_root = stochastic_round(root32, dtype, key, counter=counter)
             self._write(views["exp_avg"], avg32.to(dtype), avg16, take, lengths)
+            del avg32
+            param16 = self._joined(views["param"])
+            param32 = param16.float()
+            paired = not pack.kahan and torch.is_tensor(key) and torch.is_tensor(param_key)
+            if paired:
+                # the root moment and the weights rounded in one call: the same elements, two streams
+                # (the bits of two calls, half the hash's ops)
+                keys = torch.stack([key, param_key])
+                rounded = stochastic_round(
+                    torch.stack([root32, param32.add_(update32)]),
+                    dtype,
+                    keys if keys.dim() == 2 else keys.view(2, 1),
+                    counter=counter,
+                )
+                new_root, new_param = rounded[0], rounded[1]
+            else:
+                new_root = stochastic_round(root32, dtype, key, counter=counter)
             self._write(
                 views["exp_avg_root"],
                 new_root,
@@ -640,9 +657,7 @@ class HAdam(Optimizer):
                 take,
                 lengths,
             )
-            del avg32, root32, new_root
-            param16 = self._joined(views["param"])
-            param32 = param16.float()
+            del root32, new_root
             if pack.kahan:  # Kahan with the float32 update: y = u - c, t = RN(p + y), c = RN((t - p) - y)
                 comp16 = self._joined(views["kahan_comp"])
                 update32.sub_(comp16.float())
@@ -650,7 +665,7 @@ class HAdam(Optimizer):
                 self._write(
                     views["kahan_comp"], new_param.float().sub_(param32).sub_(update32).to(dtype), comp16, take, lengths
                 )
-            else:  # no compensation buffer: round stochastically, so sub-ulp steps add up on average
+            elif not paired:  # no compensation buffer: round stochastically, so sub-ulp steps add up on average
                 new_param = stochastic_round(param32.add_(update32), dtype, param_key, counter=counter)
             self._write(views["param"], new_param, param16, take, lengths)
 

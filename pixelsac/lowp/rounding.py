@@ -87,17 +87,23 @@ def random_bits(
 
 
 def random_bits_at(counter: torch.Tensor, key: int | torch.Tensor, bits: int) -> torch.Tensor:
-    """Uniform random integers in ``[0, 2^bits)`` (int32), one per element of the integer
-    ``counter``, each a function of ``(key, counter)`` only. ``key`` is an int, a 0-dim
-    tensor, or an integer tensor of ``counter``'s shape (a key per element: several parameters'
-    streams drawn in one call give exactly the bits of one call per parameter)."""
+    """Uniform random integers in ``[0, 2^bits)`` (int32), one per element of ``counter`` and
+    ``key`` broadcast together, each a function of its ``(key, counter)`` only. ``key`` is an
+    int, a 0-dim tensor, or an integer tensor of ``counter``'s shape (a key per element: several
+    parameters' streams drawn in one call give exactly the bits of one call per parameter) or
+    broadcastable with it (keys ``(2, 1)`` or ``(2, n)`` against counters ``(n,)``: two streams
+    over the same elements, the bits of two calls)."""
     if not 0 < bits <= 24:
         raise ValueError(f"random_bits: bits must lie in 1..24, got {bits}")
     if torch.is_tensor(key):
         key = key.to(counter.device)
     # (counter·C + key) mod 2^32, computed in wrapping int32 arithmetic: the same low 32 bits
     mixed = counter.to(torch.int32).mul(0x27D4EB2F)  # element indices: below 2^31
-    mixed.add_(as_int32(key))
+    key = as_int32(key)
+    if torch.is_tensor(key) and key.dim() > 0 and key.shape != mixed.shape:
+        mixed = mixed + key  # broadcast: one op, as the in-place add below
+    else:
+        mixed.add_(key)
     hashed = _lowbias32_(_lowbias32_(mixed))
     return hashed.bitwise_right_shift_(8).bitwise_and_((1 << bits) - 1)
 
@@ -114,7 +120,9 @@ def stochastic_round(
         offset: index of ``x``'s first element in a larger stream that shares ``key``.
         counter: instead of ``offset``, every element's index in its stream (integers, ``x``'s
             numel), with ``key`` a tensor of keys per element: several streams rounded in one
-            call, bit for bit as one call per stream.
+            call, bit for bit as one call per stream. Or ``x`` of shape ``(k, n)``, ``counter``
+            of ``n`` and ``key`` of shape ``(k, 1)`` or ``(k, n)``: ``k`` tensors of the same
+            elements in one call, row ``r`` rounded as a call with ``key[r]`` would round it.
 
     Values that round past the largest finite number become inf, as rounding up would there.
     """
@@ -130,6 +138,7 @@ def stochastic_round(
         noise = random_bits(flat.numel(), key, dropped, flat.device, offset)
     else:
         noise = random_bits_at(counter, key, dropped)
+        noise = noise if noise.dim() == 1 else noise.reshape(-1)
     bits = flat.view(torch.int32)
     pattern = noise.add_(bits).bitwise_and_(~((1 << dropped) - 1))
     # NaN and inf patterns must not carry into a different value; leave them as they are
