@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -388,6 +389,25 @@ class _Critic(nn.Module):
         self.head = nn.Linear(6, 2)
 
 
+def _growing_updates(ema: KahanEMA, source: nn.Module, between: Any = None) -> list:
+    """60 target updates, each counted (``DispatchCount``), of a source whose weights grow by 10%
+    before each (past H/K = 1.64, where the adaptive scale moves, and past a fixed K's 6.55);
+    ``between(step)`` runs before each update."""
+    from pixelsac.perf.dispatch import DispatchCount
+
+    counts = []
+    for step in range(60):
+        with torch.no_grad():
+            for param in source.parameters():
+                param.mul_(1.1).add_(torch.randn_like(param) * 0.01)
+        if between is not None:
+            between(step)
+        with DispatchCount(sites=False) as count:
+            ema.update_(TAU)
+        counts.append(count)
+    return counts
+
+
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "passes-of-7"])
 @pytest.mark.parametrize("one_buffer", [False, True], ids=["separate-source", "source-in-one-buffer"])
 @pytest.mark.parametrize("derived", [True, False], ids=["derived", "stored"])
@@ -403,7 +423,6 @@ def test_one_flat_buffer_per_kind_gives_the_per_tensor_forms_bits_in_a_few_kerne
     per-parameter scales tensor by tensor (the counter's model says how many kernels); the flat
     form runs none so. (Both multiply by the float32 τ; a CPU's in-place foreach would round it
     to fp16 first.)"""
-    from pixelsac.perf.dispatch import DispatchCount
 
     def run(flat: bool):
         torch.manual_seed(0)
@@ -417,18 +436,13 @@ def test_one_flat_buffer_per_kind_gives_the_per_tensor_forms_bits_in_a_few_kerne
         )  # fmt: skip
         if not flat:
             monkeypatch.setattr(ema, "_flat_buffers", lambda: None)
-        counts = []
-        for step in range(60):
-            with torch.no_grad():
-                for param in source.parameters():
-                    param.mul_(1.1).add_(torch.randn_like(param) * 0.01)  # |θ| grows past H/K = 1.64
+
+        def move_a_buffer(step: int) -> None:
             if step == 30 and flat:
                 name = next(iter(ema.scaled_params._buffers))
                 setattr(ema.scaled_params, name, ema.scaled_params._buffers[name].clone())  # elsewhere now
-            with DispatchCount(sites=False) as count:
-                ema.update_(TAU)
-            counts.append(count)
-        return ema, counts
+
+        return ema, _growing_updates(ema, source, move_a_buffer)
 
     flat_ema, flat_counts = run(True)
     tensor_ema, tensor_counts = run(False)
@@ -460,7 +474,6 @@ def test_the_compiled_update_gives_the_flat_forms_bits_as_one_op(derived, one_bu
     buffers, shifts, counts, record and target bit for bit; each update dispatches the op, the
     peaks' foreach norm and the source's join (none where the source lies in one buffer), and no
     per-tensor loop."""
-    from pixelsac.perf.dispatch import DispatchCount
 
     def run(compiled: bool):
         torch.manual_seed(0)
@@ -472,15 +485,7 @@ def test_the_compiled_update_gives_the_flat_forms_bits_as_one_op(derived, one_bu
             source, target, scale=K, derived_target=derived, adaptive_scale=adaptive, check_every_update=False,
             compiled=compiled,
         )  # fmt: skip
-        counts = []
-        for _ in range(60):
-            with torch.no_grad():
-                for param in source.parameters():
-                    param.mul_(1.1).add_(torch.randn_like(param) * 0.01)  # |θ| grows past H/K = 1.64, then 6.55
-            with DispatchCount(sites=False) as count:
-                ema.update_(TAU)
-            counts.append(count)
-        return ema, counts
+        return ema, _growing_updates(ema, source)
 
     compiled_ema, compiled_counts = run(True)
     eager_ema, _ = run(False)

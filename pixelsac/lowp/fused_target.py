@@ -86,7 +86,8 @@ def _update(
     summed = held + corrected  # t
     comps.copy_((summed - held) - corrected)
     scaled.copy_(summed)
-    # one comparison: False for inf and NaN; 16-bit values cannot overflow a float32 sum
+    # one comparison: False for inf and NaN (the eager form's test: an L1 norm in float32, which no
+    # fp16 copy can overflow, and a bf16 one only with weights beyond ~1e33)
     finite = summed.float().abs().sum() <= torch.finfo(torch.float32).max
     target_updates.add_(1)
     failed_now = ~finite & (first_nonfinite < 0)
