@@ -473,7 +473,7 @@ def test_the_compiled_update_gives_the_flat_forms_bits_as_one_op(derived, one_bu
     (a fixed K meets its ceiling, the record names the update), give the eager flat form's
     buffers, shifts, counts, record and target bit for bit; each update dispatches the op, the
     peaks' foreach norm and the source's join (none where the source lies in one buffer), and no
-    per-tensor loop."""
+    per-tensor loop; a derived target is one op too."""
 
     def run(compiled: bool):
         torch.manual_seed(0)
@@ -507,6 +507,12 @@ def test_the_compiled_update_gives_the_flat_forms_bits_as_one_op(derived, one_bu
     assert not last.per_tensor
     expected = 1 + adaptive + (not one_buffer) + (not derived)  # op, norm, join, target copy
     assert last.kernels == expected, dict(last.ops)
+    if derived:  # the target's division, one op (the eager form spreads the scales first: 6 kernels)
+        from pixelsac.perf.dispatch import DispatchCount
+
+        with DispatchCount(sites=False) as count:
+            compiled_ema.target_parameters()
+        assert count.kernels == 1 and count.ops["pixelsac_lowp.kahan_target_derive.default"] == 1, dict(count.ops)
 
 
 def test_the_compiled_update_keeps_kahans_compensation():

@@ -58,7 +58,8 @@ now multiplies out of place by the float32 τ, as the flat form and CUDA do.)
 
 Compiled (``compiled=True``, the policy's ``perf.compile_optimizer``): the flat update runs as
 one op whose kernels ``torch.compile`` generates (``fused_target.py``), after one foreach norm of
-the peaks: the same bits as the flat form, a few kernels instead of ~40 on a GPU.
+the peaks: the same bits as the flat form, a few kernels instead of ~40 on a GPU; a derived
+target's division likewise (one op instead of 6 kernels).
 
 Derived target (``derived_target=True``; a memory saving beyond the paper): ``θ̄ = θ̄_S / K`` is
 a function of state already kept, so it need not be stored. The target network is then evaluated
@@ -318,6 +319,11 @@ class KahanEMA(nn.Module):
         scaled, _ = self._buffers_in_order()
         if flat is None:
             return list(torch._foreach_div(scaled, list(self.tensor_scales().unbind())))
+        if self.compiled:
+            from . import fused_target
+
+            ends, hyper = self._compiled_tables(flat)
+            return segment_views(fused_target.derive(flat["scaled"], self.scale_shifts, ends, hyper), scaled)
         derived = torch.empty_like(flat["scaled"])
         for scale, scaled_part, derived_part in self._passes(flat, self.tensor_scales(), flat["scaled"], derived):
             torch.div(scaled_part, scale, out=derived_part)  # float32 quotients, each rounded once
@@ -531,6 +537,22 @@ class KahanEMA(nn.Module):
             return
         torch._foreach_copy_(targets, self._derived() if derived is None else derived)
 
+    def _compiled_tables(self, flat: dict[str, Any], tau: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compiled ops' parameter ends and hyperparameters (``fused_target``), made once per
+        flat buffer and again when τ changes; ``tau`` None (the derived target's division, which
+        reads only K) keeps the τ last used."""
+        from . import fused_target
+
+        first = flat["scaled"]
+        if "ends" not in flat:
+            flat["ends"] = fused_target.ends_table(flat["numels"], first.device)
+        if tau is None:
+            tau = flat["hyper"][0][0] if "hyper" in flat else 0.0
+        key = (float(tau), self.scale, self.headroom * torch.finfo(first.dtype).max / self.scale)
+        if flat.get("hyper", (None,))[0] != key:
+            flat["hyper"] = (key, fused_target.hyperparameters(*key, first.device))
+        return flat["ends"], flat["hyper"][1]
+
     def _update_compiled(
         self,
         tau: float,
@@ -543,17 +565,10 @@ class KahanEMA(nn.Module):
         form above. The peaks that choose the adaptive scale are one foreach norm before it."""
         from . import fused_target
 
-        first = scaled[0]
-        if "ends" not in flat:
-            flat["ends"] = fused_target.ends_table(flat["numels"], first.device)
-        limit_over_scale = self.headroom * torch.finfo(first.dtype).max / self.scale
-        key = (float(tau), self.scale, limit_over_scale)
-        if flat.get("hyper", (None,))[0] != key:
-            flat["hyper"] = (key, fused_target.hyperparameters(*key, first.device))
         norms = list(torch._foreach_norm([*sources, *scaled], float("inf"))) if self.adaptive_scale else []
         target = None if self.derived_target else torch.empty_like(flat["scaled"])
         fused_target.target_update(
             self._joined_source(sources, scaled, flat), flat["scaled"], flat["comps"], target, norms,
-            self.scale_shifts, self.target_updates, self.first_nonfinite, flat["ends"], flat["hyper"][1], MIN_SHIFT,
+            self.scale_shifts, self.target_updates, self.first_nonfinite, *self._compiled_tables(flat, tau), MIN_SHIFT,
         )  # fmt: skip
         self._after_update(targets, None if target is None else segment_views(target, scaled))

@@ -20,7 +20,8 @@ value) -- the eager flat form's arithmetic, op for op: each product, difference 
 computed in float32 from its 16-bit operands and rounded once, as ATen rounds it, and the
 shift's ``log2``/``floor`` are the same functions. Each element finds its parameter by a
 ``bucketize`` of its position against the parameters' ends. With a stored target the op also
-writes ``θ̄ = RN(θ̄_S / K_i)`` into ``target`` (a 1-D buffer the caller copies out).
+writes ``θ̄ = RN(θ̄_S / K_i)`` into ``target`` (a 1-D buffer the caller copies out); a derived
+target computes the same quotients whenever it runs, as one op of its own (:func:`derive`).
 
 Compiled with inductor's ``emulate_precision_casts`` (as ``fused.py``): without it a kernel keeps
 ``t`` in float32 and the compensation ``(t - θ̄_S) - y`` comes out 0 -- Kahan-momentum silently
@@ -37,7 +38,7 @@ import torch
 
 from .fused import COMPILE_OPTIONS
 
-__all__ = ["ends_table", "hyperparameters", "target_update"]
+__all__ = ["derive", "ends_table", "hyperparameters", "target_update"]
 
 _compiled: dict[str, Any] = {}
 
@@ -96,6 +97,14 @@ def _update(
         target.copy_((summed.float() / element_scales).to(dtype))
 
 
+def _derive(scaled, shifts, ends, hyper):
+    dtype = scaled.dtype
+    scales = torch.exp2(shifts.float()) * hyper[1]
+    position = torch.arange(scaled.numel(), dtype=torch.int32, device=scaled.device)
+    owner = torch.bucketize(position, ends, out_int32=True, right=True)
+    return (scaled.float() / scales[owner]).to(dtype)
+
+
 def _compiled_update():
     if "update" not in _compiled:
         _compiled["update"] = torch.compile(_update, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
@@ -130,3 +139,23 @@ def target_update(
         _compiled_update()(
             source, scaled, comps, target, norms, shifts, target_updates, first_nonfinite, ends, hyper, min_shift
         )
+
+
+def _compiled_derive():
+    if "derive" not in _compiled:
+        _compiled["derive"] = torch.compile(_derive, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
+    return _compiled["derive"]
+
+
+@torch.library.custom_op("pixelsac_lowp::kahan_target_derive", mutates_args=())
+def derive(scaled: torch.Tensor, shifts: torch.Tensor, ends: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
+    """The derived target ``θ̄ = RN(θ̄_S / K_i)`` as a new 1-D buffer in ``scaled``'s order (the
+    eager flat form's quotients, each rounded once; ``K_i = K·2^{k_i}`` from ``shifts`` and
+    ``hyper``'s K): one op where the eager form spreads the scales over the elements first."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        return _compiled_derive()(scaled, shifts, ends, hyper)
+
+
+@derive.register_fake
+def _(scaled, shifts, ends, hyper):
+    return torch.empty_like(scaled)
