@@ -58,14 +58,19 @@ def hyperparameters(tau: float, scale: float, limit_over_scale: float, device: t
     return torch.tensor([tau, scale, limit_over_scale], dtype=torch.float32, device=device)
 
 
+def _scales_and_owners(scaled, shifts, ends, scale):
+    """``K_i = K·2^{k_i}`` per parameter (as ``KahanEMA.tensor_scales``) and each element's
+    parameter (a ``bucketize`` of its position against the parameters' ends)."""
+    position = torch.arange(scaled.numel(), dtype=torch.int32, device=scaled.device)
+    return torch.exp2(shifts.float()) * scale, torch.bucketize(position, ends, out_int32=True, right=True)
+
+
 def _update(
     source, scaled, comps, target, norms, shifts, target_updates, first_nonfinite, ends, hyper, min_shift
 ):  # fmt: skip
     tau, scale, limit_over_scale = hyper[0], hyper[1], hyper[2]
     dtype = scaled.dtype
-    scales = torch.exp2(shifts.float()) * scale
-    position = torch.arange(scaled.numel(), dtype=torch.int32, device=scaled.device)
-    owner = torch.bucketize(position, ends, out_int32=True, right=True)
+    scales, owner = _scales_and_owners(scaled, shifts, ends, scale)
     if norms:  # the adaptive scale: ema.KahanEMA._shifts_for, op for op
         peaks = torch.stack(norms).float().view(2, -1)
         peak = torch.maximum(peaks[0], peaks[1] / scales)
@@ -98,11 +103,8 @@ def _update(
 
 
 def _derive(scaled, shifts, ends, hyper):
-    dtype = scaled.dtype
-    scales = torch.exp2(shifts.float()) * hyper[1]
-    position = torch.arange(scaled.numel(), dtype=torch.int32, device=scaled.device)
-    owner = torch.bucketize(position, ends, out_int32=True, right=True)
-    return (scaled.float() / scales[owner]).to(dtype)
+    scales, owner = _scales_and_owners(scaled, shifts, ends, hyper[1])
+    return (scaled.float() / scales[owner]).to(scaled.dtype)
 
 
 def _compiled_update():

@@ -189,8 +189,8 @@ class HAdam(Optimizer):
     included, a foreach op counted once; bias corrections and rounding keys are vectors over the
     bucket, the per-element spreads gathers, the flat views of parameters and state kept from step
     to step, the root moments and the weights stochastically rounded in one call) -- DrQ's critic
-    158, actor 136, ``log_alpha`` 113 in fp16 -- and a whole fp16
-    update (critic, actor, temperature and target, forward and backward) 1,246, against fp32's
+    153, actor 131, ``log_alpha`` 112 in fp16 -- and a whole fp16
+    update (critic, actor, temperature and target, forward and backward) 1,235, against fp32's
     606, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
     2^18-element chunks the same update at 84×84 dispatched 5,415 (~30 ops a chunk; counted when
     the whole update was 1,465), which is why a GPU takes whole buckets.
@@ -624,8 +624,15 @@ class HAdam(Optimizer):
             spread = self._spreader(pack, segment)
             root_correction = spread(streams["root_correction"])
             step_size = spread(streams["step_size"])
-            # the stochastic-rounding streams: one per (parameter, t), indexed by element
-            key, param_key = spread(streams["key"], as_key=True), spread(streams["param_key"], as_key=True)
+            # the stochastic-rounding streams: one per (parameter, t), indexed by element. Without
+            # Kahan buffers the root moments and the weights are rounded in one call (device counts):
+            # both streams spread at once, as the rows of one tensor (the bits of two calls)
+            paired = not pack.kahan and torch.is_tensor(streams["key"])
+            if paired:
+                keys = spread(torch.stack([streams["key"], streams["param_key"]]), as_key=True)
+            else:
+                key = spread(streams["key"], as_key=True)
+                param_key = None if pack.kahan else spread(streams["param_key"], as_key=True)
             counter = self._counter(bucket, pack, device, segment)
             avg16 = self._joined(views["exp_avg"])
             avg32 = avg16.float().lerp_(grad32, 1.0 - beta1)
@@ -636,11 +643,7 @@ class HAdam(Optimizer):
             del avg32
             param16 = self._joined(views["param"])
             param32 = param16.float()
-            paired = not pack.kahan and torch.is_tensor(key) and torch.is_tensor(param_key)
-            if paired:
-                # the root moment and the weights rounded in one call: the same elements, two streams
-                # (the bits of two calls, half the hash's ops)
-                keys = torch.stack([key, param_key])
+            if paired:  # the root moments and the weights in one call: half the hash's ops
                 rounded = stochastic_round(
                     torch.stack([root32, param32.add_(update32)]),
                     dtype,
@@ -803,10 +806,11 @@ class HAdam(Optimizer):
         list of Python numbers (host counts, which a pack shares). One segment: the 0-dim entry
         (or number) itself, broadcast by the ops that use it. Several: the entries of the pack's
         parameters gathered per element through the segment index (two ops however many
-        segments). ``as_key``: as int32 stochastic-rounding keys (their low 32 bits)."""
+        segments). ``as_key``: as int32 stochastic-rounding keys (their low 32 bits). A device
+        tensor may hold several rows (parameters along its last dimension): each row is spread."""
         first = pack.segments[0][0]
         if len(pack.segments) == 1:
-            return lambda values, as_key=False: values[first]
+            return lambda values, as_key=False: values.select(-1, first) if torch.is_tensor(values) else values[first]
         last = pack.segments[-1][0]
         device = segment.device
 
@@ -816,11 +820,11 @@ class HAdam(Optimizer):
                     return values[first]  # a host pack shares its step: one number for all
                 values = torch.tensor([as_int32(k) for k in values[first : last + 1]], dtype=torch.int32, device=device)
             else:
-                if first > 0 or last + 1 < len(values):  # (a slice is an op too: none for the whole bucket)
-                    values = values[first : last + 1]
+                if first > 0 or last + 1 < values.shape[-1]:  # (a slice is an op too: none for the whole bucket)
+                    values = values.narrow(-1, first, last + 1 - first)
                 if as_key:
                     values = as_int32(values)
-            return values.index_select(0, segment)
+            return values.index_select(-1, segment)
 
         return spread
 

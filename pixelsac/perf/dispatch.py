@@ -18,7 +18,8 @@ it, else once per tensor: every tensor of every list of one dtype (a copy may ca
 and dense, paired tensors of one shape and strides, a 0-dim tensor operand of the lists' dtype, a
 Python scalar that does not promote them, a norm of order 1, 2 or inf. A list of per-tensor 0-dim
 scales, or an fp32 factor for fp16 moments, takes the per-tensor loop. An op registered by the
-project (hAdam's compiled step) counts once, whatever inductor generated inside it. An estimate:
+project (hAdam's compiled step, the compiled loss-scaler bookkeeping, target update and
+division) counts once, whatever inductor generated inside it. An estimate:
 a fast-route foreach op may take a second kernel per ~100k-element chunk list, and ATen ops launch
 one kernel or a few.
 
