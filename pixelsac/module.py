@@ -338,7 +338,15 @@ class SACModule(L.LightningModule):
     def _step(self, name: str, loss: torch.Tensor, optimizer: torch.optim.Optimizer, graph_safe: bool = False) -> None:
         if graph_safe:  # no Lightning hooks or wrappers: their Python would run at capture only
             optimizer = getattr(optimizer, "optimizer", optimizer)
-        backward = (lambda tensor: tensor.backward()) if graph_safe else self.manual_backward
+        # Gradients for this optimizer's parameters only: the actor's loss reads the critic's
+        # heads, and a plain backward would also compute (and, in fp32 Q, cast back) every one of
+        # their weight gradients, which the critic's next step discards unread.
+        raw = getattr(optimizer, "optimizer", optimizer)
+        inputs = [p for group in raw.param_groups for p in group["params"] if p.requires_grad]
+        if graph_safe:
+            backward = lambda tensor: tensor.backward(inputs=inputs)  # noqa: E731
+        else:
+            backward = lambda tensor: self.manual_backward(tensor, inputs=inputs)  # noqa: E731
         taken = self.precision_policy.backward_and_step(
             loss, optimizer, self.scalers.get(name), backward, self._reduce_found_inf(), graph_safe=graph_safe
         )

@@ -141,6 +141,30 @@ def test_actor_loss_does_not_train_the_convolutions():
     assert any(p.grad is not None for p in module.actor.parameters())
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_each_backward_computes_only_its_own_optimizers_gradients(precision):
+    """The actor's loss reads the critic's heads (in fp32 for fp16/bf16), but its backward
+    computes no gradient for them: the critic's gradients after a full update are exactly those
+    of the critic's own backward (a plain backward adds the actor's to them, work the critic's
+    next step throws away: on a GPU, every Q-layer weight gradient and its cast back)."""
+    torch.manual_seed(0)
+    module = make_module(f"precision={precision}")
+    own: dict[str, torch.Tensor] = {}
+    step = module._step
+
+    def spy(name, loss, optimizer, graph_safe=False):
+        step(name, loss, optimizer, graph_safe)
+        if name == "critic":
+            own.update({n: p.grad.clone() for n, p in module.critic.named_parameters() if p.grad is not None})
+
+    module._step = spy
+    fit(module, [make_batch()])
+    assert module.updates == 1 and "q1.0.weight" in own and "proj.net.0.weight" in own
+    for name, param in module.critic.named_parameters():
+        assert torch.equal(param.grad, own[name]), f"the actor's backward wrote critic.{name}.grad"
+    assert all(p.grad is not None for p in module.actor.parameters())
+
+
 @pytest.mark.parametrize("precision,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_pure_low_precision_has_no_fp32_tensor_anywhere(precision, dtype):
     torch.manual_seed(0)

@@ -190,8 +190,8 @@ class HAdam(Optimizer):
     bucket, the per-element spreads gathers, the flat views of parameters and state kept from step
     to step, the root moments and the weights stochastically rounded in one call) -- DrQ's critic
     153, actor 131, ``log_alpha`` 112 in fp16 -- and a whole fp16
-    update (critic, actor, temperature and target, forward and backward) 1,235, against fp32's
-    606, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
+    update (critic, actor, temperature and target, forward and backward) 1,170, against fp32's
+    545, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
     2^18-element chunks the same update at 84×84 dispatched 5,415 (~30 ops a chunk; counted when
     the whole update was 1,465), which is why a GPU takes whole buckets.
 
