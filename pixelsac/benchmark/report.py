@@ -193,9 +193,9 @@ def _dispatch_table(rows: list[dict[str, Any]]) -> list[str]:
         "What one update dispatches, in the form a GPU runs it (counted on the cell's device, eager, at small "
         "sizes, which change no count; sync-free unless the cell says host_sync, no CPU emulation, CUDA's "
         "default shift; pixelsac/perf/opcount.py): aten ops (views included), kernels (an estimate of the "
-        "GPU's launches: views and allocations left out, a foreach op that CUDA runs tensor by tensor counted "
-        "per tensor, pixelsac/perf/dispatch.py), dtype casts (ops that only convert), host reads "
-        "(device-to-host synchronisations); full update (critic, actor, temperature, target) / critic-only:",
+        "GPU's launches: views, allocations and profiler markers left out, a foreach op that CUDA runs "
+        "tensor by tensor counted per tensor, pixelsac/perf/dispatch.py), dtype casts (ops that only convert), "
+        "host reads (device-to-host synchronisations); full update (critic, actor, temperature, target) / critic-only:",
         "",
         "| mode | variant | batch | aten ops | ops × fp32 (full) | kernels | kernels × fp32 (full) | casts "
         "| host reads |",

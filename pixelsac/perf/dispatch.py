@@ -12,7 +12,8 @@ Scalar overload, which reads the value in C++); a dispatch mode sees them.
 Counted so, views make up a third to a half of an update's ops (fp32: 206 of 545), and launch
 nothing; and a foreach op that CUDA cannot run as one multi-tensor kernel runs tensor by tensor.
 So a second figure estimates the **kernels** a GPU launches (:attr:`DispatchCount.kernels`):
-every op once, except views and bare allocations (which count 0), and a foreach op once where ATen's
+every op once, except views, bare allocations and the profiler's markers (``record_function``
+around every optimizer step: host-side only), which count 0, and a foreach op once where ATen's
 CUDA fast-route test (``can_use_fast_route``, modelled by :func:`cuda_foreach_launches`) takes
 it, else once per tensor: every tensor of every list of one dtype (a copy may cast) and device
 and dense, paired tensors of one shape and strides, a 0-dim tensor operand of the lists' dtype, a
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HOST_READ", "DispatchCount", "cuda_foreach_launches", "is_cast", "is_host_read"]
+__all__ = ["HOST_READ", "DispatchCount", "cuda_foreach_launches", "is_cast", "is_host_read", "launches_nothing"]
 
 HOST_READ = torch.ops.aten._local_scalar_dense.default
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -153,6 +154,12 @@ def cuda_foreach_launches(func: Any, args: tuple, kwargs: dict) -> int:
     return 1
 
 
+def launches_nothing(func: Any) -> bool:
+    """Views, bare allocations and the profiler's markers (``profiler::_record_function_*``, which
+    torch's optimizers issue around every step) dispatch without launching a kernel."""
+    return getattr(func, "is_view", False) or func in _ALLOCATIONS or func.namespace == "profiler"
+
+
 class DispatchCount(TorchDispatchMode):
     """Inside ``with DispatchCount() as count:``, ``count.ops`` counts aten ops by overload,
     ``count.casts`` the casts by ``"from->to"`` dtypes and ``count.host_reads`` the host reads;
@@ -184,7 +191,7 @@ class DispatchCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops[str(func)] += 1
-        if getattr(func, "is_view", False) or func in _ALLOCATIONS:
+        if launches_nothing(func):
             launches = 0
         else:  # before the op runs: an in-place op may change its inputs
             launches = cuda_foreach_launches(func, args, kwargs)

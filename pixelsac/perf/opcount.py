@@ -5,8 +5,8 @@ fits it (on the CPU unless told) and counts each update with :class:`~pixelsac.p
 full updates (critic, actor, temperature and, when due, the target) and critic-only ones, after
 the first update cycle (whose first updates of each kind create the optimizer state and the cached
 constants). A GPU launches about one kernel per op that is not a view, so the kernel estimate
-(:attr:`~pixelsac.perf.dispatch.DispatchCount.kernels`: views and allocations left out, a foreach
-op that CUDA runs tensor by tensor counted per tensor) is what a small batch pays in launches; a
+(:attr:`~pixelsac.perf.dispatch.DispatchCount.kernels`: views, allocations and profiler markers
+left out, a foreach op that CUDA runs tensor by tensor counted per tensor) is what a small batch pays in launches; a
 cast moves memory without computing; a host read is a device-to-host synchronisation, and an
 error inside CUDA graph capture.
 
