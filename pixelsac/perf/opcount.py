@@ -6,9 +6,9 @@ full updates (critic, actor, temperature and, when due, the target) and critic-o
 the first update cycle (whose first updates of each kind create the optimizer state and the cached
 constants). A GPU launches about one kernel per op that is not a view, so the kernel estimate
 (:attr:`~pixelsac.perf.dispatch.DispatchCount.kernels`: views, allocations and profiler markers
-left out, a foreach op that CUDA runs tensor by tensor counted per tensor) is what a small batch pays in launches; a
-cast moves memory without computing; a host read is a device-to-host synchronisation, and an
-error inside CUDA graph capture.
+left out, a foreach op that CUDA runs tensor by tensor counted per tensor) is what a small batch
+pays in launches; a cast moves memory without computing; a host read is a device-to-host
+synchronisation, and an error inside CUDA graph capture.
 
 The update is counted in the form a GPU runs it, whatever machine counts it:
 
