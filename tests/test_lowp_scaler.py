@@ -409,7 +409,41 @@ def test_the_compiled_bookkeeping_is_the_eager_one_bit_for_bit(compiled_hadam, h
         mine, theirs = getattr(scaler, name), getattr(ref_scaler, name)
         assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs)), name
     assert count.ops["pixelsac_lowp.scaler_after_step.default"] == 1
+    assert count.ops["pixelsac_lowp.gradient_verdict.default"] == 1
     assert count.kernels < ref_count.kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_compiled_gradient_verdict_is_the_eager_one(dtype):
+    """The check before a step, compiled (one op) and eager (stack, max, product, select), equal
+    bit for bit: with the paper's margin (below 1, so only a non-finite peak fails: the largest
+    finite one passes, inf and NaN do not) and with a margin of 2, where the line falls inside the
+    range (half the largest number passes, the next number above it does not); one gradient too."""
+    from pixelsac.lowp import fused_scaler
+
+    big = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
+    half, two, inf, nan = (
+        big / 2,
+        torch.tensor(2.0, dtype=dtype),
+        torch.tensor(float("inf"), dtype=dtype),
+        torch.tensor(float("nan"), dtype=dtype),
+    )
+    past_half = torch.nextafter(half, big)
+    one = torch.ones(())
+    cases = [  # (margin, peaks, expected found_inf)
+        (1.1 * 0.9005, [torch.zeros((), dtype=dtype)], 0.0),
+        (1.1 * 0.9005, [two, big, two], 0.0),
+        (1.1 * 0.9005, [inf, two], 1.0),
+        (1.1 * 0.9005, [two, nan], 1.0),
+        (2.0, [two, half], 0.0),
+        (2.0, [past_half, two], 1.0),
+    ]
+    for margin, norms, expected in cases:
+        eager = fused_scaler.verdict(norms, margin, one)
+        compiled = fused_scaler.gradient_verdict(norms, margin, one)
+        for mine, theirs in zip(compiled, eager):  # bit for bit, NaN where NaN
+            assert mine.dtype == theirs.dtype and torch.allclose(mine, theirs, rtol=0, atol=0, equal_nan=True)
+        assert float(eager[2]) == expected, (margin, norms)
 
 
 @pytest.mark.gpu

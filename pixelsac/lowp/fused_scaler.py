@@ -1,5 +1,14 @@
-"""The compound loss scaler's device bookkeeping after a sync-free step: one function, run
-eagerly or as one compiled op (``CompoundLossScaler(compiled=True)``).
+"""The compound loss scaler's device work around a sync-free step: the gradient check before it
+and the bookkeeping after it, each one function run eagerly or as one compiled op
+(``CompoundLossScaler(compiled=True)``).
+
+Before the step, :func:`verdict` turns the gradients' peaks ``max|S·g|`` (one foreach norm over
+the gradients) into the skip flag: the peaks stacked, their largest, and
+``found_inf = 1 if margin·peak is not finite in the gradients' dtype, else 0`` (rounding
+``margin·g`` is monotone in ``|g|``, so it overflows somewhere exactly when ``margin·max|g|``
+does; a NaN anywhere is a NaN peak, and ``NaN <= max`` is false). Four kernels eager (stack,
+max, product, comparison-and-select); compiled, :func:`gradient_verdict`
+(``pixelsac_lowp::gradient_verdict``) is one op.
 
 A sync-free step of the scaler (``scaler.py``) ends with a dozen 0-dim or per-parameter device
 updates, each its own kernel on a GPU: the skip decision from the gradients' flag and the
@@ -29,7 +38,7 @@ import torch
 
 from .fused import COMPILE_OPTIONS
 
-__all__ = ["after_step", "bookkeeping"]
+__all__ = ["after_step", "bookkeeping", "gradient_verdict", "verdict"]
 
 _compiled: dict[str, Any] = {}
 
@@ -58,6 +67,39 @@ def bookkeeping(
     taken_steps.add_(taken)
     clean_steps.add_(1).mul_(taken)
     return skipped, taken, factor
+
+
+def verdict(
+    norms: list[torch.Tensor], margin: float, one: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient check before a step (module docstring) from each gradient's peak ``norms``
+    (0-dim, one dtype, on ``one``'s device): the stacked peaks, their largest, and ``found_inf``
+    (0-dim float32, ``one`` where ``margin·peak`` does not fit the dtype, else 0)."""
+    peaks = torch.stack(norms)
+    peak = peaks.max()
+    fits = peak * margin <= torch.finfo(peaks.dtype).max  # False for inf and NaN
+    return peaks, peak, one.masked_fill(fits, 0.0)
+
+
+def _compiled_verdict():
+    if "verdict" not in _compiled:
+        _compiled["verdict"] = torch.compile(verdict, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
+    return _compiled["verdict"]
+
+
+@torch.library.custom_op("pixelsac_lowp::gradient_verdict", mutates_args=())
+def gradient_verdict(
+    norms: list[torch.Tensor], margin: float, one: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`verdict`, compiled: one op instead of four kernels, the same values."""
+    with torch._dynamo.config.patch(recompile_limit=64):  # one compile per number of gradients
+        return _compiled_verdict()(norms, margin, one)
+
+
+@gradient_verdict.register_fake
+def _(norms, margin, one):
+    peaks = torch.empty(len(norms), dtype=norms[0].dtype, device=norms[0].device)
+    return peaks, torch.empty((), dtype=peaks.dtype, device=peaks.device), torch.empty_like(one)
 
 
 def _compiled_after_step():

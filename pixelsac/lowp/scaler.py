@@ -197,9 +197,10 @@ class CompoundLossScaler:
             rounded once, so it flags exactly the non-finite gradients.
         growth_margin: growth only happens when the state stays finite at
             ``growth_factor·growth_margin`` (the paper checks ``2.2·m`` and ``2.2·s``).
-        compiled: with ``sync_free``, the device bookkeeping after each step as one op whose
-            kernels ``torch.compile`` generates (``fused_scaler.py``): the same values; compiled
-            at the first step (seconds), for a GPU, where each 0-dim update is a kernel launch.
+        compiled: with ``sync_free``, the gradient check before each step (after one foreach
+            norm) and the device bookkeeping after it as one op each, whose kernels
+            ``torch.compile`` generates (``fused_scaler.py``): the same values; compiled at the
+            first step (seconds), for a GPU, where each 0-dim update is a kernel launch.
         sync_free: decide skips on the device (module docstring); the optimizer must accept
             ``step(found_inf=...)`` and a tensor in ``rescale_state_`` (HAdam with capturable=True).
             ``step`` then returns a 0-dim bool tensor, and reading ``scale`` or the counters
@@ -459,15 +460,20 @@ class CompoundLossScaler:
         largest of them, from one pass over the gradients where they share a dtype and a device:
         rounding ``margin·g`` into the dtype is monotone in ``|g|`` (``finite.py``), so it overflows
         somewhere exactly when ``margin·max|g|`` does, and a NaN anywhere is a NaN peak (the
-        foreach norm and ``max`` carry it). Elsewhere :meth:`found_inf`'s own check, and no peak."""
+        foreach norm and ``max`` carry it). Elsewhere :meth:`found_inf`'s own check, and no peak.
+        With the device's constant 1.0 (sync-free), one function either way (``fused_scaler.py``):
+        compiled, one op after the foreach norm."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads and self.overflow_margin > 0 and len({(g.device, g.dtype) for g in grads}) == 1:
+            one = self._one
+            if one is not None and one.device == grads[0].device:
+                check = fused_scaler.gradient_verdict if self.compiled else fused_scaler.verdict
+                peaks, peak, found_inf = check(torch._foreach_norm(grads, float("inf")), self.overflow_margin, one)
+                self._make_records(peaks)
+                return found_inf, peaks, peak
             peaks = self._gradient_peaks(optimizer, grads[0].device)
             peak = peaks.max()
             fits = peak * self.overflow_margin <= torch.finfo(peaks.dtype).max  # False for inf and NaN
-            one = self._one
-            if one is not None and one.device == fits.device:  # 1.0 where it does not fit: one op, not two
-                return one.masked_fill(fits, 0.0), peaks, peak
             return (~fits).to(torch.float32), peaks, peak
         found_inf = self.found_inf(optimizer)
         return found_inf, self._gradient_peaks(optimizer, found_inf.device), None
@@ -481,12 +487,16 @@ class CompoundLossScaler:
         if not grads:
             return None
         peaks = torch.stack(torch._foreach_norm(grads, float("inf"))).to(device)
+        self._make_records(peaks)
+        return peaks
+
+    def _make_records(self, peaks: torch.Tensor) -> None:
+        """The peak records, shaped and typed as ``peaks``, at the first step that has them."""
         if self._grad_peak is None:
-            self._grad_peak = torch.zeros((), dtype=peaks.dtype, device=device)
+            self._grad_peak = torch.zeros((), dtype=peaks.dtype, device=peaks.device)
             self._skipped_peaks = torch.zeros_like(peaks)
             if self.headroom_growth:
-                self._interval_peak = torch.zeros((), dtype=peaks.dtype, device=device)
-        return peaks
+                self._interval_peak = torch.zeros((), dtype=peaks.dtype, device=peaks.device)
 
     def _record(self, peaks: torch.Tensor | None, skipped: bool, peak: torch.Tensor | None = None) -> None:
         """Keep the step's peaks when it was skipped, its largest peak (``peak``: ``peaks.max()``
