@@ -336,12 +336,12 @@ class SACModule(L.LightningModule):
         return lambda flag: torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # returns None
 
     def _step(self, name: str, loss: torch.Tensor, optimizer: torch.optim.Optimizer, graph_safe: bool = False) -> None:
+        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning wraps the torch optimizer
         if graph_safe:  # no Lightning hooks or wrappers: their Python would run at capture only
-            optimizer = getattr(optimizer, "optimizer", optimizer)
+            optimizer = raw
         # Gradients for this optimizer's parameters only: the actor's loss reads the critic's
         # heads, and a plain backward would also compute (and, in fp32 Q, cast back) every one of
         # their weight gradients, which the critic's next step discards unread.
-        raw = getattr(optimizer, "optimizer", optimizer)
         inputs = [p for group in raw.param_groups for p in group["params"] if p.requires_grad]
         if graph_safe:
             backward = lambda tensor: tensor.backward(inputs=inputs)  # noqa: E731

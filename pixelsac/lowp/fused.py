@@ -53,6 +53,7 @@ gathers should cost little; that is not measured.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -209,12 +210,15 @@ def _step(
 _compiled: dict[str, Any] = {}
 
 
-def _compiled_step():
-    """The compiled step, made at its first use (importing inductor costs seconds, so not at
-    import), with symbolic sizes: the optimizers of a run share its graphs."""
-    if "step" not in _compiled:
-        _compiled["step"] = torch.compile(_step, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
-    return _compiled["step"]
+def compile_once(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` compiled at its first use and kept (importing inductor costs seconds, so not
+    at import): the whole graph, symbolic sizes (the optimizers, scalers and targets of a run
+    share its graphs), ``COMPILE_OPTIONS`` (fp16 roundings kept). Every compiled op of
+    ``pixelsac.lowp`` is made here; clearing ``_compiled`` compiles them anew."""
+    key = f"{function.__module__}.{function.__qualname__}"
+    if key not in _compiled:
+        _compiled[key] = torch.compile(function, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
+    return _compiled[key]
 
 
 @torch.library.custom_op(
@@ -257,7 +261,7 @@ def step(
     # element or more), but a process that builds many agents (a benchmark, the tests) may ask
     # for more than dynamo's default limit of 8
     with torch._dynamo.config.patch(recompile_limit=64):
-        overflow = _compiled_step()(
+        overflow = compile_once(_step)(
             grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper,
             backoff,
         )  # fmt: skip

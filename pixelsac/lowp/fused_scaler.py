@@ -32,15 +32,11 @@ where the eager op rounds it).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .fused import COMPILE_OPTIONS
+from .fused import compile_once
 
 __all__ = ["after_step", "bookkeeping", "gradient_verdict", "verdict"]
-
-_compiled: dict[str, Any] = {}
 
 
 def bookkeeping(
@@ -81,31 +77,19 @@ def verdict(
     return peaks, peak, one.masked_fill(fits, 0.0)
 
 
-def _compiled_verdict():
-    if "verdict" not in _compiled:
-        _compiled["verdict"] = torch.compile(verdict, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
-    return _compiled["verdict"]
-
-
 @torch.library.custom_op("pixelsac_lowp::gradient_verdict", mutates_args=())
 def gradient_verdict(
     norms: list[torch.Tensor], margin: float, one: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`verdict`, compiled: one op instead of four kernels, the same values."""
     with torch._dynamo.config.patch(recompile_limit=64):  # one compile per number of gradients
-        return _compiled_verdict()(norms, margin, one)
+        return compile_once(verdict)(norms, margin, one)
 
 
 @gradient_verdict.register_fake
 def _(norms, margin, one):
     peaks = torch.empty(len(norms), dtype=norms[0].dtype, device=norms[0].device)
     return peaks, torch.empty((), dtype=peaks.dtype, device=peaks.device), torch.empty_like(one)
-
-
-def _compiled_after_step():
-    if "after_step" not in _compiled:
-        _compiled["after_step"] = torch.compile(bookkeeping, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
-    return _compiled["after_step"]
 
 
 _MUTATED = ("skipped_peaks", "grad_peak", "interval_peak", "scale", "skipped_steps", "taken_steps", "clean_steps")
@@ -134,7 +118,7 @@ def after_step(
     headroom growth; ``scale``: float32; the counts int64; ``one``: float32 1.0. Returns the 0-dim
     bools "skipped" and "taken" and the float32 factor (1 or ``backoff``)."""
     with torch._dynamo.config.patch(recompile_limit=64):  # a process may build many scalers
-        return _compiled_after_step()(
+        return compile_once(bookkeeping)(
             found_inf, overflow, peaks, peak, skipped_peaks, grad_peak, interval_peak, scale, skipped_steps,
             taken_steps, clean_steps, one, backoff,
         )  # fmt: skip

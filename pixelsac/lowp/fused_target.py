@@ -32,15 +32,12 @@ record, target) through 60 updates whose scales change.
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import torch
 
-from .fused import COMPILE_OPTIONS
+from .fused import compile_once
 
 __all__ = ["derive", "ends_table", "hyperparameters", "target_update"]
-
-_compiled: dict[str, Any] = {}
 
 
 def ends_table(numels: list[int], device: torch.device) -> torch.Tensor:
@@ -107,12 +104,6 @@ def _derive(scaled, shifts, ends, hyper):
     return (scaled.float() / scales[owner]).to(scaled.dtype)
 
 
-def _compiled_update():
-    if "update" not in _compiled:
-        _compiled["update"] = torch.compile(_update, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
-    return _compiled["update"]
-
-
 _MUTATED = ("scaled", "comps", "target", "shifts", "target_updates", "first_nonfinite")
 
 
@@ -138,15 +129,9 @@ def target_update(
     updated in place; ``ends``: :func:`ends_table`; ``hyper``: :func:`hyperparameters`;
     ``min_shift``: the smallest ``k_i``."""
     with torch._dynamo.config.patch(recompile_limit=64):  # a process may build many agents
-        _compiled_update()(
+        compile_once(_update)(
             source, scaled, comps, target, norms, shifts, target_updates, first_nonfinite, ends, hyper, min_shift
         )
-
-
-def _compiled_derive():
-    if "derive" not in _compiled:
-        _compiled["derive"] = torch.compile(_derive, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
-    return _compiled["derive"]
 
 
 @torch.library.custom_op("pixelsac_lowp::kahan_target_derive", mutates_args=())
@@ -155,7 +140,7 @@ def derive(scaled: torch.Tensor, shifts: torch.Tensor, ends: torch.Tensor, hyper
     eager flat form's quotients, each rounded once; ``K_i = K·2^{k_i}`` from ``shifts`` and
     ``hyper``'s K): one op where the eager form spreads the scales over the elements first."""
     with torch._dynamo.config.patch(recompile_limit=64):
-        return _compiled_derive()(scaled, shifts, ends, hyper)
+        return compile_once(_derive)(scaled, shifts, ends, hyper)
 
 
 @derive.register_fake

@@ -461,20 +461,18 @@ class CompoundLossScaler:
         rounding ``margin·g`` into the dtype is monotone in ``|g|`` (``finite.py``), so it overflows
         somewhere exactly when ``margin·max|g|`` does, and a NaN anywhere is a NaN peak (the
         foreach norm and ``max`` carry it). Elsewhere :meth:`found_inf`'s own check, and no peak.
-        With the device's constant 1.0 (sync-free), one function either way (``fused_scaler.py``):
-        compiled, one op after the foreach norm."""
+        One function either way (``fused_scaler.verdict``); compiled (sync-free, with the device's
+        constant 1.0), one op after the foreach norm."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads and self.overflow_margin > 0 and len({(g.device, g.dtype) for g in grads}) == 1:
             one = self._one
-            if one is not None and one.device == grads[0].device:
-                check = fused_scaler.gradient_verdict if self.compiled else fused_scaler.verdict
-                peaks, peak, found_inf = check(torch._foreach_norm(grads, float("inf")), self.overflow_margin, one)
-                self._make_records(peaks)
-                return found_inf, peaks, peak
-            peaks = self._gradient_peaks(optimizer, grads[0].device)
-            peak = peaks.max()
-            fits = peak * self.overflow_margin <= torch.finfo(peaks.dtype).max  # False for inf and NaN
-            return (~fits).to(torch.float32), peaks, peak
+            compiled = self.compiled and one is not None and one.device == grads[0].device
+            if one is None or one.device != grads[0].device:  # the host path: no device constant kept
+                one = torch.ones((), device=grads[0].device)
+            check = fused_scaler.gradient_verdict if compiled else fused_scaler.verdict
+            peaks, peak, found_inf = check(torch._foreach_norm(grads, float("inf")), self.overflow_margin, one)
+            self._make_records(peaks)
+            return found_inf, peaks, peak
         found_inf = self.found_inf(optimizer)
         return found_inf, self._gradient_peaks(optimizer, found_inf.device), None
 
