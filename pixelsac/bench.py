@@ -18,7 +18,8 @@ first (full) update, the bytes autograd saves for backward in that update (count
 state + target copies, in total and by group) -- each with its ratio to fp32 at the same batch
 size; also the replay buffer's bytes per transition; and what one update dispatches in the form a
 GPU runs it -- aten ops, dtype casts and host reads per full and per critic-only update, counted
-on the cell's device in about a second (``pixelsac/perf/opcount.py``, docs/performance.md).
+on the cell's device in about a second (``pixelsac/perf/opcount.py``, docs/performance.md); and
+the update's FLOPs with the rate the cell's time sustains (``pixelsac/perf/flops.py``).
 Results go to ``bench.out`` as bench.csv,
 bench.md (which says what each memory figure counts), bench.json and bench.png.
 

@@ -165,6 +165,9 @@ def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
     for r in rows:  # every ratio is fp32's figure over (or under) the row's own measured one
         assert float(r["speedup_vs_fp32"]) == pytest.approx(float(by_mode["fp32"]["ms_mean"]) / float(r["ms_mean"]))
         assert float(r["state_vs_fp32"]) == pytest.approx(int(r["state_bytes"]) / int(by_mode["fp32"]["state_bytes"]))
+    for r in rows:  # one arithmetic for every mode; the rate is it over the row's own time
+        assert r["gflop_per_update"] == by_mode["fp32"]["gflop_per_update"] and float(r["gflop_full"]) > 0
+        assert float(r["tflops_achieved"]) == pytest.approx(float(r["gflop_per_update"]) / float(r["ms_mean"]))
     assert by_mode["fp16-naive"]["finite_after_first_update"] == "False"  # naive fp16 fails at once, timed anyway
     assert by_mode["fp16"]["finite_at_end"] == "True"
     assert by_mode["fp16"]["emulated"] == "True" and by_mode["fp16-native"]["emulated"] == "False"
@@ -188,6 +191,8 @@ def test_tiny_cpu_benchmark_writes_csv_markdown_json_and_png(tmp_path, capsys):
         "State by group",
         "| optimizer | exp_avg_root |",
         "| optimizer | exp_avg_sq |",
+        "GFLOP full / critic-only",
+        "achieved TFLOP/s",
     ):
         assert what in text, what
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

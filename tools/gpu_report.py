@@ -151,18 +151,31 @@ def run_line(work: Path, run: str, what: str, part_state: str | None = None) -> 
     )
 
 
-def _graphed_ms(work: Path) -> dict[tuple[str, int], float]:
-    """``(mode, batch) -> ms per update`` of the goals part's CUDA-graph cells that ran."""
+def _graphed_rows(work: Path) -> dict[tuple[str, int], dict]:
+    """``(mode, batch) -> bench row`` of the goals part's CUDA-graph cells that ran."""
     path = work / "goals" / "bench.json"
     try:
         rows = json.loads(path.read_text())["rows"]
     except (OSError, ValueError, KeyError):
         return {}
     return {
-        (r["mode"], int(r["batch_size"])): float(r["ms_mean"])
+        (r["mode"], int(r["batch_size"])): r
         for r in rows
         if r.get("status") == "ok" and "cuda_graphs" in (r.get("variant") or "") and r.get("ms_mean")
     }
+
+
+def arithmetic_line(batch: int, row: dict) -> str | None:
+    """What the ms goal asks of the GPU: the update's FLOPs (the benchmark's ``gflop_per_update``)
+    over the goal's time, beside the rate ``row``'s time sustained; None for a row without them."""
+    gflop = row.get("gflop_per_update")
+    if not gflop:
+        return None
+    achieved = float(gflop) / float(row["ms_mean"])
+    return (
+        f"- batch {batch}: {float(gflop):,.1f} GFLOP per update; {GOAL_MS[batch]:g} ms asks "
+        f"{float(gflop) / GOAL_MS[batch]:,.1f} TFLOP/s sustained, {row['mode']} sustained {achieved:,.1f}"
+    )
 
 
 def steady_frames_per_s(run_dir: Path) -> float | None:
@@ -186,7 +199,8 @@ def goals_lines(work: Path) -> list[str]:
     """Each speed goal, the figure measured for it and whether it is met ("not measured" when
     the part or run did not produce it). The fp16 figure is the faster of eager-step fp16 and
     fp16-compiled, named."""
-    ms = _graphed_ms(work)
+    rows = _graphed_rows(work)
+    ms = {key: float(row["ms_mean"]) for key, row in rows.items()}
     lines = []
     for batch in GOAL_MS:
         fp16 = [(ms[(mode, batch)], mode) for mode in FP16_MODES if (mode, batch) in ms]
@@ -206,6 +220,9 @@ def goals_lines(work: Path) -> list[str]:
             met = "met" if fp32 / best[0] >= GOAL_SPEEDUP[batch] else "not met"
             goal = f"fp16 >= {GOAL_SPEEDUP[batch]:g}x fp32 ({fp32:.2f} ms)"
             lines.append(f"- batch {batch}, CUDA graphs: {goal}: {met} ({speedups})")
+        arithmetic = arithmetic_line(batch, rows[(best[1], batch)])
+        if arithmetic:
+            lines.append(arithmetic)
     rate = steady_frames_per_s(work / "fast_fp16") if _run_rc(work, "fast_fp16") == 0 else None
     if rate is None:
         goal = f">= {GOAL_FRAMES_PER_S:,.0f} env frames/s"

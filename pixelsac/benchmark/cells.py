@@ -15,7 +15,7 @@ from typing import Any
 
 from pixelsac import lifeline
 from pixelsac.benchmark.plan import MODES, CellSpec, Mode, Plan
-from pixelsac.benchmark.report import _cpu_statement, _header, _mib, add_ratios, markdown, write_outputs
+from pixelsac.benchmark.report import _cpu_statement, _fmt, _header, _mib, add_ratios, markdown, write_outputs
 from pixelsac.config import load_config, to_plain
 
 _CELL_MARK = "PIXELSAC_BENCH_ROW "
@@ -141,6 +141,24 @@ def _dispatch_counts(cfg: Any, spec: CellSpec) -> dict[str, Any]:
     return row
 
 
+def _arithmetic(spec: CellSpec, ms_per_update: float, counted: dict[int, Any]) -> dict[str, Any]:
+    """The cell's FLOPs per update (:mod:`pixelsac.perf.flops`: counted on the CPU in about two
+    seconds at DrQ's sizes, once per batch size in ``counted``: every mode and speed switch runs
+    the same products) and the rate its measured time sustains."""
+    from pixelsac.perf.flops import count_update_flops
+
+    if spec.batch_size not in counted:
+        config = to_plain(load_config(spec.overrides))
+        counted[spec.batch_size] = count_update_flops(config, tuple(spec.obs_shape), spec.action_dim)
+    flops = counted[spec.batch_size]
+    return {
+        "gflop_full": flops.full / 1e9,
+        "gflop_critic": flops.critic_only / 1e9,
+        "gflop_per_update": flops.gflop_per_update,
+        "tflops_achieved": flops.achieved_tflops(ms_per_update) if ms_per_update > 0 else None,
+    }
+
+
 def cell_main(spec_json: str) -> int:
     """Child-process entry: measure one cell and print its row; the peak RSS is this process's."""
     from pixelsac.perf import rss_bytes, rss_peak_bytes
@@ -210,6 +228,7 @@ def run_plan(plan: Plan) -> list[dict[str, Any]]:
     then the interleaved timings of the emulation's two forms (``bench.emulation_saves=both``)."""
     rows: list[dict[str, Any]] = []
     interleaved: list[dict[str, Any]] = []
+    counted: dict[int, Any] = {}  # FLOPs per update by batch size
     header = _header(plan)
     print("\n".join(header))
     for line in _cpu_statement([], plan.device):
@@ -217,6 +236,11 @@ def run_plan(plan: Plan) -> list[dict[str, Any]]:
     for spec in plan.cells:
         label = f"{spec.mode}{' ' + spec.variant if spec.variant else ''} batch {spec.batch_size}"
         row = _measure(plan, spec)
+        if row["status"] == "ok":
+            try:
+                row.update(_arithmetic(spec, row["ms_mean"], counted))
+            except Exception as exc:  # a figure missing, not the cell's time lost
+                print(f"{label}: FLOPs not counted: {type(exc).__name__}: {exc}", flush=True)
         rows.append(row)
         add_ratios(rows)
         if row["status"] == "ok":
@@ -226,7 +250,8 @@ def run_plan(plan: Plan) -> list[dict[str, Any]]:
                 f"peak {_mib(row['peak_mem_bytes'])} MiB, saved for backward {_mib(row.get('saved_bytes'))} MiB, "
                 f"state {_mib(row['state_bytes'])} MiB, {_count(row, 'ops')} aten ops "
                 f"({_count(row, 'casts')} casts, {_count(row, 'host_reads')} host reads) per full / critic-only "
-                f"update{flag}",
+                f"update, {_fmt(row.get('gflop_per_update'), ',.4g')} GFLOP/update "
+                f"({_fmt(row.get('tflops_achieved'), ',.3g')} TFLOP/s){flag}",
                 flush=True,
             )
         else:

@@ -105,6 +105,10 @@ CSV_COLUMNS = (
     "casts_critic",
     "host_reads_full",
     "host_reads_critic",
+    "gflop_full",
+    "gflop_critic",
+    "gflop_per_update",
+    "tflops_achieved",
     "status",
 )
 
@@ -210,6 +214,29 @@ def _dispatch_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _arithmetic_table(rows: list[dict[str, Any]]) -> list[str]:
+    """FLOPs per update and the rate each cell's time sustains (pixelsac/perf/flops.py)."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("gflop_per_update") is not None]
+    if not ok:
+        return []
+    lines = [
+        "The arithmetic of an update (convolutions and matmuls at 2 FLOPs per multiply-add, forward and "
+        "backward, at the cell's batch; the same in every precision; pixelsac/perf/flops.py) and the rate "
+        "the cell's time sustains (GFLOP per update, mean over an update cycle, ÷ ms/update). "
+        "An update cannot beat GFLOP ÷ the rate the hardware sustains:",
+        "",
+        "| mode | variant | batch | GFLOP full / critic-only | GFLOP per update | achieved TFLOP/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in ok:
+        lines.append(
+            f"| {r['mode']} | {r['variant'] or '-'} | {r['batch_size']} | {_fmt(r['gflop_full'], ',.4g')} / "
+            f"{_fmt(r['gflop_critic'], ',.4g')} | {_fmt(r['gflop_per_update'], ',.4g')} | "
+            f"{_fmt(r.get('tflops_achieved'), ',.3g')} |"
+        )
+    return lines
+
+
 def _interleaved_table(interleaved: list[dict[str, Any]]) -> list[str]:
     if not interleaved:
         return []
@@ -292,7 +319,12 @@ def markdown(
         "fp32 copies for backward; same values).",
     ]
     lines += ["", "Which memory figure is which:", *(f"- **{name}**: {text}" for name, text in MEMORY_FIGURES.items())]
-    for extra in (_dispatch_table(rows), _group_table(rows), _interleaved_table(interleaved or [])):
+    for extra in (
+        _dispatch_table(rows),
+        _arithmetic_table(rows),
+        _group_table(rows),
+        _interleaved_table(interleaved or []),
+    ):
         if extra:
             lines += ["", *extra]
     replay = plan.replay

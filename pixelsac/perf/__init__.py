@@ -11,6 +11,8 @@ One job per file:
   reads that reach torch's dispatcher.
 * :mod:`pixelsac.perf.opcount` -- :func:`count_update_ops`: an update counted in the form a GPU
   runs it, on any device (the benchmark's op, cast and host-read columns).
+* :mod:`pixelsac.perf.flops` -- :func:`count_update_flops`: an update's convolution and matmul
+  FLOPs at any batch (the benchmark's GFLOP and achieved-TFLOP/s columns).
 * :mod:`pixelsac.perf.tracker` -- :class:`PerfTracker`, the run's callback: throughput, ms and
   memory per update against the fp32 reference, in the logs and the summary.
 * :mod:`pixelsac.perf.summary` -- the end-of-run summary: plain data, table, JSON, markdown.
@@ -30,6 +32,7 @@ from pixelsac.perf.calibration import (
     time_updates,
 )
 from pixelsac.perf.dispatch import DispatchCount
+from pixelsac.perf.flops import UpdateFlops, count_update_flops
 from pixelsac.perf.meters import (
     MIB,
     PeakMemory,
@@ -72,10 +75,12 @@ __all__ = [
     "TensorPeakMeter",
     "TimedUpdates",
     "UpdateCounts",
+    "UpdateFlops",
     "UpdateClock",
     "UpdateTimer",
     "batch_source_of",
     "build_summary",
+    "count_update_flops",
     "count_update_ops",
     "format_summary",
     "fp32_reference_config",
