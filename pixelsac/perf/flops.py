@@ -17,11 +17,11 @@ this figure.
 The count is exact and cheap because the arithmetic is linear in the batch: every product has
 the batch (times the augmented copies) as one of its dimensions, so an update of batch ``B``
 does ``B / b`` times what one of batch ``b`` does. The agent is built at its configured widths,
-image size and copies, counted at batch :data:`COUNT_BATCH` on a CPU in fp32 (well under a second
-at DrQ's sizes) and scaled; tests/test_flops.py holds the scaling exact and the count equal in
-every precision mode (fp16, bf16 and AMP do the same products in other dtypes; the CPU's
-tensor-core emulation, ``lowp.fp32_accumulate``, is left out, as it computes weight gradients the
-actor's step then drops).
+image size and copies, counted at batch :data:`COUNT_BATCH` on a CPU in fp32 (about two
+seconds at DrQ's sizes, building the agent included) and scaled; tests/test_flops.py holds the
+scaling exact and the count equal in every precision mode (fp16, bf16 and AMP do the same
+products in other dtypes; the CPU's tensor-core emulation, ``lowp.fp32_accumulate``, is left
+out, as it computes weight gradients the actor's step then drops).
 """
 
 from __future__ import annotations
