@@ -3,7 +3,10 @@ exactly with the batch, and is the same in every precision mode."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from conftest import load_tool
 
 from pixelsac.config import load_config, to_plain
 from pixelsac.perf.flops import COUNT_BATCH, count_update_flops
@@ -92,21 +95,14 @@ def test_rates_and_floors_are_gflop_over_time():
 
 
 def _tool():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "tools" / "update_flops.py"
-    spec = importlib.util.spec_from_file_location("update_flops", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool("update_flops.py")
 
 
 def test_the_flops_tool_writes_each_batch_and_the_rate_a_measured_time_sustained(tmp_path, capsys):
     out = tmp_path / "flops"
     args = ["--batch-sizes", "2,4", "--ms", "0.5", "--measured", "4:0.25:somewhere", "--out", str(out)]
     assert _tool().main([*args, *SMALL[:-1]]) == 0
-    data = __import__("json").loads(out.with_suffix(".json").read_text())
+    data = json.loads(out.with_suffix(".json").read_text())
     two, four = data["flops"]["2"], data["flops"]["4"]
     assert four["full"] == 2 * two["full"] and four["per_update"] == 2 * two["per_update"]
     text = out.with_suffix(".md").read_text()

@@ -168,13 +168,9 @@ def test_each_backward_computes_only_its_own_optimizers_gradients(precision):
 def test_the_actor_backward_timing_tool_checks_both_forms_agree(tmp_path):
     """tools/actor_backward_timing.py (the measurement behind the own-gradients change) runs the
     full-size agent, holds the actor's gradients of both forms equal and writes its table."""
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_tool
 
-    path = Path(__file__).resolve().parent.parent / "tools" / "actor_backward_timing.py"
-    spec = importlib.util.spec_from_file_location("actor_backward_timing", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("actor_backward_timing.py")
     out = tmp_path / "timing"
     assert tool.main(["--precisions", "fp32", "--batches", "2", "--rounds", "1", "--out", str(out)]) == 0
     assert "| fp32 | 2 |" in out.with_suffix(".md").read_text()
