@@ -247,6 +247,16 @@ def env_from_config(config: Any, seed: int) -> Any:
     return DMCEnv(config["task"], seed=seed, **env_kwargs(config))
 
 
+def task_shapes(config: Any) -> tuple[tuple[int, ...], int, tuple[int, ...], Any]:
+    """Observation shape, action size, frame shape and frame dtype of the configured task (the
+    environment built and closed, nothing rendered)."""
+    env = env_from_config(config, int(config["seed"]))
+    try:
+        return tuple(env.obs_shape), env.action_dim, tuple(env.frame_shape), env.frame_dtype
+    finally:
+        env.close()
+
+
 def out_dir_is_free(path: Path) -> bool:
     """Nothing there yet, or an empty folder (a lock file alone counts as empty)."""
     return not path.exists() or (path.is_dir() and not any(p.name not in IGNORED_IN_EMPTY_DIRS for p in path.iterdir()))

@@ -68,6 +68,7 @@ def test_counted_at_a_small_batch_and_scaled_is_exactly_the_count_at_the_batch()
         at_batch.full_by_op,
     )
     assert count_update_flops(_config("agent.batch_size=512"), OBS, ACTIONS).full == at_small.full * 512 // 6
+    assert at_small.at_batch(512).at_batch(6) == at_batch  # rescaled both ways, every figure exact
 
 
 @pytest.mark.parametrize(

@@ -37,23 +37,16 @@ def _measured(text: str) -> tuple[int, float, str]:
 
 
 def count(overrides: list[str], batch_sizes: list[int]) -> tuple[dict[int, Any], tuple[int, ...], int]:
-    """:class:`~pixelsac.perf.flops.UpdateFlops` per batch size, the observation shape, the action size."""
+    """:class:`~pixelsac.perf.flops.UpdateFlops` per batch size (counted once, scaled to each),
+    the observation shape, the action size."""
     from pixelsac import cli
     from pixelsac.config import load_config, to_plain
     from pixelsac.perf.flops import count_update_flops
 
     cfg = load_config(overrides)
-    env = cli.env_from_config(cfg, int(cfg.seed))
-    try:
-        obs_shape, action_dim = tuple(env.obs_shape), int(env.action_dim)
-    finally:
-        env.close()
-    plain = to_plain(cfg)
-    result = {}
-    for batch in batch_sizes:
-        plain["agent"]["batch_size"] = batch
-        result[batch] = count_update_flops(plain, obs_shape, action_dim)
-    return result, obs_shape, action_dim
+    obs_shape, action_dim, _, _ = cli.task_shapes(cfg)
+    flops = count_update_flops(to_plain(cfg), obs_shape, action_dim)
+    return {batch: flops.at_batch(batch) for batch in batch_sizes}, obs_shape, action_dim
 
 
 def table(flops: dict[int, Any], ms: list[float], measured: list[tuple[int, float, str]]) -> str:

@@ -141,16 +141,17 @@ def _dispatch_counts(cfg: Any, spec: CellSpec) -> dict[str, Any]:
     return row
 
 
-def _arithmetic(spec: CellSpec, ms_per_update: float, counted: dict[int, Any]) -> dict[str, Any]:
+def _arithmetic(spec: CellSpec, ms_per_update: float, counted: dict[str, Any]) -> dict[str, Any]:
     """The cell's FLOPs per update (:mod:`pixelsac.perf.flops`: counted on the CPU in about two
-    seconds at DrQ's sizes, once per batch size in ``counted``: every mode and speed switch runs
-    the same products) and the rate its measured time sustains."""
+    seconds at DrQ's sizes, once for the whole plan in ``counted``: every mode, speed switch and
+    batch size runs the same products, scaled with the batch) and the rate its measured time
+    sustains."""
     from pixelsac.perf.flops import count_update_flops
 
-    if spec.batch_size not in counted:
+    if "flops" not in counted:
         config = to_plain(load_config(spec.overrides))
-        counted[spec.batch_size] = count_update_flops(config, tuple(spec.obs_shape), spec.action_dim)
-    flops = counted[spec.batch_size]
+        counted["flops"] = count_update_flops(config, tuple(spec.obs_shape), spec.action_dim)
+    flops = counted["flops"].at_batch(spec.batch_size)
     return {
         "gflop_full": flops.full / 1e9,
         "gflop_critic": flops.critic_only / 1e9,
@@ -228,7 +229,7 @@ def run_plan(plan: Plan) -> list[dict[str, Any]]:
     then the interleaved timings of the emulation's two forms (``bench.emulation_saves=both``)."""
     rows: list[dict[str, Any]] = []
     interleaved: list[dict[str, Any]] = []
-    counted: dict[int, Any] = {}  # FLOPs per update by batch size
+    counted: dict[str, Any] = {}  # the plan's FLOPs per update, counted at the first cell that ran
     header = _header(plan)
     print("\n".join(header))
     for line in _cpu_statement([], plan.device):

@@ -347,15 +347,6 @@ class Plan:
     interleaved: list[CellSpec] = dataclasses.field(default_factory=list)  # bench.emulation_saves=both
 
 
-def _shapes(cfg: Any) -> tuple[tuple[int, ...], int, tuple[int, ...], Any]:
-    """Observation shape, action size, frame shape and dtype of the configured task (no rendering)."""
-    env = cli.env_from_config(cfg, cfg.seed)
-    try:
-        return tuple(env.obs_shape), env.action_dim, tuple(env.frame_shape), env.frame_dtype
-    finally:
-        env.close()
-
-
 def _emulates(cell_cfg: Any, device: str) -> bool:
     """Whether this cell's policy runs the CPU emulation of fp16/bf16 tensor cores."""
     from pixelsac.precision import PrecisionPolicy
@@ -389,7 +380,7 @@ def make_plan(argv: list[str]) -> Plan:
     updates = options.updates or (500 if on_gpu else 3)
     warmup = options.warmup if options.warmup is not None else (20 if on_gpu else 1)
     batch_sizes = options.batch_sizes or [int(cfg.agent.batch_size)]
-    obs_shape, action_dim, frame_shape, frame_dtype = _shapes(cfg)
+    obs_shape, action_dim, frame_shape, frame_dtype = cli.task_shapes(cfg)
 
     notes: list[str] = []
     modes = []

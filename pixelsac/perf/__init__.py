@@ -6,7 +6,8 @@ One job per file:
   :class:`PeakMemory`, :class:`SavedTensorMeter`, :class:`TensorPeakMeter`,
   :func:`state_groups`, and the :class:`UpdateTimer` callback that times each update.
 * :mod:`pixelsac.perf.calibration` -- :func:`time_updates`: a fresh agent's real update step
-  timed on one batch (the start-up fp32 reference and ``python -m pixelsac.bench``).
+  timed on one batch (the start-up fp32 reference and ``python -m pixelsac.bench``);
+  :func:`metered_updates`: each update of a fresh agent inside a meter (the op and FLOP counts).
 * :mod:`pixelsac.perf.dispatch` -- :class:`DispatchCount`: the aten ops, dtype casts and host
   reads that reach torch's dispatcher.
 * :mod:`pixelsac.perf.opcount` -- :func:`count_update_ops`: an update counted in the form a GPU
@@ -27,6 +28,7 @@ from pixelsac.perf.calibration import (
     batch_source_of,
     fp32_reference_config,
     interleaved_forms,
+    metered_updates,
     place_batch,
     synthetic_batch,
     time_updates,
@@ -86,6 +88,7 @@ __all__ = [
     "fp32_reference_config",
     "group_ratios",
     "interleaved_forms",
+    "metered_updates",
     "module_state_tensors",
     "parameters_finite",
     "place_batch",

@@ -35,7 +35,7 @@ from pixelsac.perf.meters import (
 )
 from pixelsac.precision import state_bytes
 
-_NEVER = 2**62  # a log interval no timed run reaches
+_NEVER = 2**62  # a log interval no measured run reaches
 
 
 @dataclasses.dataclass
@@ -213,6 +213,53 @@ def batch_source_of(replay: Any, device: torch.device) -> str:
     return "pinned" if getattr(rings[0], "pin_memory", False) else "host"
 
 
+def without_log_intervals(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (plain data) with a log interval no measured run reaches: no metric sync or
+    health check inside the updates (a naive fp16 agent is measured to the end, not stopped at
+    its first NaN). The caller's dict is left as it is."""
+    return {**config, "train": {**config["train"], "log_every_updates": _NEVER}}
+
+
+def metered_updates(
+    config: dict[str, Any],
+    obs_shape: tuple[int, ...],
+    action_dim: int,
+    updates: int,
+    meter: Callable[[], Any],
+    device: torch.device | str = "cpu",
+    callbacks: list[L.Callback] | None = None,
+) -> list[tuple[bool, Any]]:
+    """A fresh agent built from ``config`` (plain data, seeded with its ``seed``) fitted on
+    ``device`` over ``updates`` updates of one synthetic batch of its ``agent.batch_size``, each
+    update inside a fresh ``meter()`` context (a dispatch mode: a dispatch or FLOP counter).
+    Returns ``(full update?, meter)`` per update, in order. The caller's random streams are left
+    as they were."""
+    from torch.utils.data import DataLoader
+
+    device = torch.device(device)
+    metered: list[tuple[bool, Any]] = []
+    fork_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices), quiet_lightning():
+        torch.manual_seed(int(config.get("seed", 0)))
+        module = SACModule(config, tuple(obs_shape), action_dim)
+        update = module.update
+
+        def metering(batch: Any, with_actor: bool, with_target: bool, graph_safe: bool = False) -> Any:
+            with meter() as each:
+                metrics = update(batch, with_actor, with_target, graph_safe)
+            metered.append((with_actor, each))
+            return metrics
+
+        module.update = metering
+        batch_size = int(config["agent"]["batch_size"])
+        batch = synthetic_batch(batch_size, tuple(obs_shape), action_dim, seed=int(config.get("seed", 0)))
+        trainer = bare_trainer(device, list(callbacks or []))
+        trainer.fit(module, DataLoader([batch] * updates, batch_size=None))
+    del trainer, module
+    gc.collect()
+    return metered
+
+
 def bare_trainer(device: torch.device, callbacks: list[L.Callback]) -> L.Trainer:
     """A Trainer on ``device`` that runs one epoch of updates and nothing else: no logger,
     checkpoints, progress bar or summary, the module's own dtypes (``32-true``: Lightning casts
@@ -290,7 +337,7 @@ def time_updates(
         forms = [emulation == "saves_low"]
     # No metric sync or health check inside the timed steps: they come every log interval in a
     # run, and a naive fp16 agent must be timed to the end rather than stopped at its first NaN.
-    config = {**config, "train": {**config["train"], "log_every_updates": _NEVER}}
+    config = without_log_intervals(config)
     device = torch.device(device)
     agent = config["agent"]
     actor_every, target_every = int(agent["actor_update_every"]), int(agent["critic_target_update_every"])

@@ -28,22 +28,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 from collections import Counter
 from typing import Any
 
-import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pixelsac.cli import quiet_lightning
 from pixelsac.graphs import update_cycle
-from pixelsac.module import SACModule
-from pixelsac.perf.calibration import bare_trainer, synthetic_batch
+from pixelsac.perf.calibration import metered_updates, without_log_intervals
 
 #: The batch the update is counted at (then scaled to the configured one).
 COUNT_BATCH = 2
-
-_NEVER = 2**62  # a log interval no counted run reaches: no health check inside the updates
 
 
 @dataclasses.dataclass
@@ -53,8 +47,14 @@ class UpdateFlops:
     batch_size: int
     full: int  # critic, actor and temperature (and the target, which computes no product)
     critic_only: int
-    per_update: float  # the mean over one update cycle: what ms/update divides
+    cycle: int  # one whole update cycle (graphs.update_cycle), every update of it
+    cycle_updates: int
     full_by_op: dict[str, int]  # "convolution", "convolution_backward", "addmm", "mm", "bmm"
+
+    @property
+    def per_update(self) -> float:
+        """The mean over one update cycle: what ms/update divides."""
+        return self.cycle / self.cycle_updates
 
     @property
     def gflop_per_update(self) -> float:
@@ -63,6 +63,21 @@ class UpdateFlops:
     def achieved_tflops(self, ms_per_update: float) -> float:
         """The rate an update of ``ms_per_update`` ms sustains, in TFLOP/s (GFLOP per ms)."""
         return self.gflop_per_update / ms_per_update
+
+    def at_batch(self, batch_size: int) -> UpdateFlops:
+        """The same update at ``batch_size`` (exact: every count is the batch times a whole number)."""
+
+        def scaled(flops: int) -> int:
+            return flops * batch_size // self.batch_size
+
+        return UpdateFlops(
+            batch_size=batch_size,
+            full=scaled(self.full),
+            critic_only=scaled(self.critic_only),
+            cycle=scaled(self.cycle),
+            cycle_updates=self.cycle_updates,
+            full_by_op={op: scaled(n) for op, n in self.full_by_op.items()},
+        )
 
     def floor_ms(self, tflops: float) -> float:
         """The time an update cannot beat at a sustained ``tflops`` TFLOP/s, in ms."""
@@ -81,8 +96,7 @@ def counting_form(
     # compiled or graphed, the same products run; eager, nothing is compiled on the CPU to count them
     config["perf"] = {**(config.get("perf") or {}), "compile": False, "compile_optimizer": False, "cuda_graphs": False}
     config["agent"] = {**config["agent"], "batch_size": int(count_batch)}
-    config["train"] = {**config["train"], "log_every_updates": _NEVER}
-    return config
+    return without_log_intervals(config)
 
 
 def count_update_flops(
@@ -96,45 +110,29 @@ def count_update_flops(
     update cycle of a fresh agent counted at batch ``count_batch`` on a CPU, in fp32 unless
     ``keep_precision``, and scaled (module docstring). The caller's random streams are left as
     they were."""
-    from torch.utils.data import DataLoader
-
     batch_size = int(config["agent"]["batch_size"])
     counted_config = counting_form(config, count_batch, keep_precision)
     agent = counted_config["agent"]
     cycle = update_cycle(int(agent["actor_update_every"]), int(agent["critic_target_update_every"]))
-    counted: list[tuple[bool, Counter[str]]] = []
-    with torch.random.fork_rng(devices=[]), quiet_lightning():
-        torch.manual_seed(int(config.get("seed", 0)))
-        module = SACModule(counted_config, tuple(obs_shape), action_dim)
-        update = module.update
-
-        def counting(batch: Any, with_actor: bool, with_target: bool, graph_safe: bool = False) -> Any:
-            meter = FlopCounterMode(display=False)
-            with meter:
-                metrics = update(batch, with_actor, with_target, graph_safe)
-            by_op = Counter({str(op).removeprefix("aten."): n for op, n in meter.get_flop_counts()["Global"].items()})
-            counted.append((with_actor, by_op))
-            return metrics
-
-        module.update = counting
-        batch = synthetic_batch(count_batch, tuple(obs_shape), action_dim, seed=int(config.get("seed", 0)))
-        trainer = bare_trainer(torch.device("cpu"), [])
-        trainer.fit(module, DataLoader([batch] * cycle, batch_size=None))
-    del trainer, module
-    gc.collect()
-
-    def scaled(flops: int) -> int:  # exact: each count is a multiple of the batch (module docstring)
-        return flops * batch_size // count_batch
+    metered = metered_updates(
+        counted_config, tuple(obs_shape), action_dim, cycle, lambda: FlopCounterMode(display=False)
+    )
+    counted = [
+        (full, Counter({str(op).removeprefix("aten."): n for op, n in meter.get_flop_counts()["Global"].items()}))
+        for full, meter in metered
+    ]
 
     full = {sum(c.values()) for with_actor, c in counted if with_actor}
     critic = {sum(c.values()) for with_actor, c in counted if not with_actor}
     if len(full) > 1 or len(critic) > 1:  # the same products every time, or the count is wrong
         raise RuntimeError(f"updates of one kind counted different FLOPs: full {full}, critic-only {critic}")
     full_by_op = next((c for with_actor, c in counted if with_actor), Counter())
-    return UpdateFlops(
-        batch_size=batch_size,
-        full=scaled(full.pop()) if full else 0,
-        critic_only=scaled(critic.pop()) if critic else 0,
-        per_update=scaled(sum(sum(c.values()) for _, c in counted)) / len(counted),
-        full_by_op={op: scaled(n) for op, n in sorted(full_by_op.items())},
+    at_count_batch = UpdateFlops(
+        batch_size=count_batch,
+        full=full.pop() if full else 0,
+        critic_only=critic.pop() if critic else 0,
+        cycle=sum(sum(c.values()) for _, c in counted),
+        cycle_updates=len(counted),
+        full_by_op=dict(sorted(full_by_op.items())),
     )
+    return at_count_batch.at_batch(batch_size)

@@ -36,22 +36,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 from typing import Any
 
 import lightning as L
 import torch
 
 from pixelsac.augment import default_backend
-from pixelsac.cli import quiet_lightning
 from pixelsac.graphs import update_cycle
 from pixelsac.lowp import HAdam
 from pixelsac.lowp.finite import foreach_checks
-from pixelsac.module import SACModule
-from pixelsac.perf.calibration import bare_trainer, synthetic_batch
+from pixelsac.perf.calibration import metered_updates, without_log_intervals
 from pixelsac.perf.dispatch import DispatchCount
-
-_NEVER = 2**62  # a log interval no counted run reaches: no health check inside the updates
 
 #: The sizes the agent is counted at (its layer counts and every switch stay as configured).
 COUNT_SIZES = {"batch_size": 2, "num_filters": 4, "feature_dim": 8, "hidden_dim": 16}
@@ -86,8 +81,7 @@ def gpu_form(config: dict[str, Any]) -> dict[str, Any]:
     config["perf"] = perf
     config["lowp"] = {**config["lowp"], "fp32_accumulate": False}
     config["agent"] = {**config["agent"], **COUNT_SIZES}
-    config["train"] = {**config["train"], "log_every_updates": _NEVER}
-    return config
+    return without_log_intervals(config)
 
 
 def count_obs_shape(obs_shape: tuple[int, ...], num_conv_layers: int) -> tuple[int, ...]:
@@ -126,32 +120,21 @@ def count_update_ops(
     ``device`` (on a GPU the form is the GPU's own). Returns an :class:`UpdateCounts` per kind of
     update that occurred (``full``, ``critic-only``). The caller's random streams are left as
     they were."""
-    from torch.utils.data import DataLoader
-
-    device = torch.device(device)
     config = gpu_form(config)
     agent = config["agent"]
     shape = count_obs_shape(tuple(obs_shape), int(agent["num_conv_layers"]))
     cycle = update_cycle(int(agent["actor_update_every"]), int(agent["critic_target_update_every"]))
-    counted: list[tuple[str, DispatchCount]] = []
-    fork_devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=fork_devices), quiet_lightning(), foreach_checks(True):
-        torch.manual_seed(int(config.get("seed", 0)))
-        module = SACModule(config, shape, action_dim)
-        update = module.update
-
-        def counting(batch: Any, with_actor: bool, with_target: bool, graph_safe: bool = False) -> Any:
-            with DispatchCount(sites=False) as count:
-                metrics = update(batch, with_actor, with_target, graph_safe)
-            counted.append(("full" if with_actor else "critic-only", count))
-            return metrics
-
-        module.update = counting
-        batch = synthetic_batch(int(agent["batch_size"]), shape, action_dim, seed=int(config.get("seed", 0)))
-        trainer = bare_trainer(device, [_GpuOptimizers()])
-        trainer.fit(module, DataLoader([batch] * ((1 + cycles) * cycle), batch_size=None))
-    del trainer, module
-    gc.collect()
+    with foreach_checks(True):
+        metered = metered_updates(
+            config,
+            shape,
+            action_dim,
+            (1 + cycles) * cycle,
+            lambda: DispatchCount(sites=False),
+            device,
+            [_GpuOptimizers()],
+        )
+    counted = [("full" if full else "critic-only", count) for full, count in metered]
     result = {}
     for kind in KINDS:
         counts = [count for name, count in counted[cycle:] if name == kind]
