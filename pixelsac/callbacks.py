@@ -641,6 +641,9 @@ class Checkpointer(L.Callback):
             self.stop.saving = False
 
     def _write(self, trainer: L.Trainer, module: Any, names: list[str]) -> bool:
+        # a step in flight (train.overlap_collection) is stored first: the replay file, its name
+        # and the collection state must all hold the same steps
+        self.collector.finish_step()
         zero = trainer.is_global_zero
         replay = self.save_replay and "last.ckpt" in names
         if zero or replay:

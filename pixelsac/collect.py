@@ -9,6 +9,19 @@ stream takes one agent step, so collection and updates interleave exactly as in 
     seed steps (random actions, no updates)
     repeat: 1 agent step -> ``updates_per_step`` batches (one gradient update each)
     until ``train.env_frames`` env frames have been collected
+
+With ``overlap=True`` (``train.overlap_collection``) the environments step while the learner
+updates: the stream picks the actions and hands them out (:meth:`Collector.begin_step`), yields
+the step's batches, and takes the transitions after them (:meth:`Collector.finish_step`)::
+
+    repeat: act on s_t, hand out a_t -> ``updates_per_step`` batches -> store (s_t, a_t, r_t, s_t+1)
+
+A step then costs about the larger of the update and the environments' step instead of their
+sum. The batches are drawn before the step in flight is stored, so they come from one transition
+fewer than in DrQ's order (the policy that acts is the same: it has had the same updates); the
+rest is as it was. Two steps run in DrQ's order even so: the one that may end an episode (so a
+callback sees the episode boundary after its updates, where exact-resume checkpoints are taken)
+and the budget's last (so a run never ends with a step in flight).
 """
 
 from __future__ import annotations
@@ -61,10 +74,11 @@ class Collector:
         self._returns = [0.0] * self.num_envs
         self._lengths = [0] * self.num_envs
         self._timesteps: list[TimeStep | None] = [None] * self.num_envs  # None between episodes
+        self._actions: np.ndarray | None = None  # the actions of a step in flight (begin_step)
 
     @property
     def at_episode_boundary(self) -> bool:
-        return all(t is None for t in self._timesteps)
+        return not self.in_flight and all(t is None for t in self._timesteps)
 
     @property
     def steps_to_episode_boundary(self) -> int | None:
@@ -87,8 +101,31 @@ class Collector:
     def total_agent_steps(self) -> int:
         return self.agent_steps * self.world_size
 
+    @property
+    def in_flight(self) -> bool:
+        """A step is handed out (:meth:`begin_step`) and its transitions not yet stored."""
+        return self._actions is not None
+
+    def next_step_may_end_episode(self) -> bool:
+        """Could the next step end an episode? From the time limit; True where it cannot be told
+        (episodes out of step, an env without a time limit)."""
+        steps = self.steps_to_episode_boundary
+        if steps == 0:  # the next step starts new episodes: they end at the time limit, or sooner
+            frames, repeat = getattr(self.envs, "episode_frames", None), getattr(self.envs, "action_repeat", None)
+            steps = None if frames is None or repeat is None else -(-frames // repeat)
+        return steps is None or steps <= 1
+
     def step(self) -> None:
         """One step of every environment: reset the finished ones, act, store the transitions."""
+        self.begin_step()
+        self.finish_step()
+
+    def begin_step(self) -> None:
+        """The first half of :meth:`step`: reset the finished environments, pick the actions
+        (the policy's forward pass, or uniform random ones in the seed steps) and hand them out;
+        the environments step until :meth:`finish_step` takes their transitions."""
+        if self.in_flight:
+            raise RuntimeError("begin_step() while a step is in flight: finish_step() first")
         starting = [i for i, t in enumerate(self._timesteps) if t is None]
         if starting:
             for i, timestep in zip(starting, self.envs.reset(starting)):
@@ -99,7 +136,16 @@ class Collector:
             actions = self.rng.uniform(-1.0, 1.0, size=(self.num_envs, self.envs.action_dim)).astype(np.float32)
         else:
             actions = self.act(np.stack([t.obs for t in self._timesteps]), True)
-        for i, timestep in enumerate(self.envs.step(actions)):
+        self.envs.step_async(actions)
+        self._actions = actions
+
+    def finish_step(self) -> None:
+        """The second half of :meth:`step`: wait for the transitions and store them; nothing
+        when no step is in flight."""
+        if self._actions is None:
+            return
+        actions, self._actions = self._actions, None
+        for i, timestep in enumerate(self.envs.step_wait()):
             self.replay.add(i, actions[i], timestep.reward, timestep.terminal, timestep.frame)
             self._returns[i] += timestep.reward
             self._lengths[i] += 1
@@ -119,7 +165,9 @@ class Collector:
 
     def state_dict(self) -> dict:
         """Counters and RNG states (plain containers). Taken mid-episode, a resume starts new
-        episodes: only states taken at an episode boundary resume bit for bit."""
+        episodes: only states taken at an episode boundary resume bit for bit. A step in flight
+        is finished first (its transitions stored), so the state holds every step handed out."""
+        self.finish_step()
         return {
             "agent_steps": self.agent_steps,
             "env_frames": self.env_frames,
@@ -131,6 +179,8 @@ class Collector:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if self.in_flight:
+            raise RuntimeError("load_state_dict() while a step is in flight")
         if len(state["env_rngs"]) != self.num_envs:
             raise ValueError(
                 f"the checkpoint collected with {len(state['env_rngs'])} envs; this run has "
@@ -151,6 +201,9 @@ class ExperienceStream(IterableDataset):
     the iteration there, with the collection in a resumable state and :attr:`stopped_early` set
     (see :mod:`pixelsac.stopping`). Asking before a step rather than after an update lets a stop
     land between updates even during the seed steps, which take no updates at all.
+
+    ``overlap``: the environments step while the step's batches are updated on (module
+    docstring), except in a step that may end an episode and the budget's last step.
     """
 
     def __init__(
@@ -160,8 +213,10 @@ class ExperienceStream(IterableDataset):
         total_agent_steps: int,
         updates_per_step: int,
         rng: np.random.Generator,
+        overlap: bool = False,
     ) -> None:
         super().__init__()
+        self.overlap = overlap
         self.collector = collector
         self.batch_size = batch_size
         self.total_agent_steps = total_agent_steps
@@ -189,10 +244,22 @@ class ExperienceStream(IterableDataset):
         while collector.agent_steps < self.total_agent_steps:
             if self._stop_here():
                 return
-            collector.step()
+            overlap = self._overlaps()
+            collector.begin_step()
+            if not overlap:
+                collector.finish_step()
             # the update-to-data ratio holds per agent step, whatever the number of envs
             for _ in range(self.updates_per_step * collector.num_envs):
                 yield self.replay_batch()
+            collector.finish_step()  # nothing left to do unless the step overlapped its updates
+
+    def _overlaps(self) -> bool:
+        """Is the next step to overlap its updates (class docstring)?"""
+        collector = self.collector
+        if not self.overlap or self.updates_per_step == 0:
+            return False
+        last_of_budget = collector.agent_steps + collector.num_envs >= self.total_agent_steps
+        return not last_of_budget and not collector.next_step_may_end_episode()
 
     def _stop_here(self) -> bool:
         if self.stop_check is not None and self.stop_check():

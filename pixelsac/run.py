@@ -197,7 +197,9 @@ def build_run(
     eval_env.render(16)  # a missing GL library fails here, before anything is written (no RNG drawn)
     rank_seed = cfg.seed + RANK_SEED_STRIDE * rank
     seeds = [rank_seed + i for i in range(cfg.env.num_envs)]
-    env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1, **cli.env_kwargs(cfg))
+    # overlapping the step with the updates needs the step to run elsewhere: in worker processes
+    overlap = bool(cfg.train.overlap_collection)
+    env = make_envs(cfg.task, seeds, parallel=cfg.env.num_envs > 1 or overlap, **cli.env_kwargs(cfg))
 
     replay = ReplaySet(
         cfg.env.num_envs,
@@ -216,7 +218,9 @@ def build_run(
     seed_steps = -(-cfg.train.seed_steps // world)  # like the budget, seed steps count over all ranks
     collector = Collector(env, replay, module.act, seed_steps, rng, world_size=world)
     total_agent_steps = -(-cfg.train.env_frames // (env.action_repeat * world))  # the budget is over all ranks
-    stream = ExperienceStream(collector, cfg.agent.batch_size, total_agent_steps, cfg.train.updates_per_step, rng)
+    stream = ExperienceStream(
+        collector, cfg.agent.batch_size, total_agent_steps, cfg.train.updates_per_step, rng, overlap=overlap
+    )
 
     eval_worker = None
     if (

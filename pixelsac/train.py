@@ -168,10 +168,13 @@ def train(
 
 
 def start_lines(run: Any) -> list[str]:
-    """What a run says about itself before fitting: task, devices, precision, replay and, on a
-    CPU only, which half-precision kernels run. Described by the precision policy resolved for
-    the device the run trains on -- the module's own is the CPU's until the Trainer's setup, so a
-    CUDA run would otherwise describe this host's CPU kernels."""
+    """What a run says about itself before fitting: task, devices, precision, replay, the
+    environment workers (if any) and, on a CPU only, which half-precision kernels run. Described
+    by the precision policy resolved for the device the run trains on -- the module's own is the
+    CPU's until the Trainer's setup, so a CUDA run would otherwise describe this host's CPU
+    kernels."""
+    import torch
+
     from pixelsac.precision import PrecisionPolicy
 
     cfg, device, world = run.cfg, run.trainer.strategy.root_device, run.trainer.world_size
@@ -181,6 +184,17 @@ def start_lines(run: Any) -> list[str]:
         f"{world} x {device.type}; {policy.describe()}",
         run.replay.describe() + (f" per rank, {world} ranks" if world > 1 else ""),
     ]
+    num_envs, overlap = cfg.env.num_envs, bool(cfg.train.overlap_collection)
+    if num_envs > 1 or overlap:
+        how = "stepping while the learner updates (train.overlap_collection)" if overlap else "stepped between updates"
+        lines.append(f"collection: {num_envs} environment{'s' * (num_envs > 1)} in worker processes, {how}")
+        threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+        if overlap and device.type == "cpu" and threads + num_envs > cores:
+            fix = f"train.num_threads={cores - num_envs} leaves the workers cores of their own"
+            lines.append(
+                f"  note: the update's {threads} threads and {num_envs} worker{'s' * (num_envs > 1)} share {cores} "
+                f"cores and take turns rather than overlap" + (f" ({fix})" if cores > num_envs else "")
+            )
     kernels = policy.cpu_kernels()  # None off the CPU
     if kernels is not None:
         lines.append(kernels)

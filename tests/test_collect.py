@@ -23,6 +23,7 @@ class ScriptedEnvs:
         self.t = [0] * num_envs
         self.actions: list[np.ndarray] = []
         self.resets = 0
+        self.pending = None  # actions handed out by step_async
 
     def _timestep(self, i: int, reward: float) -> TimeStep:
         frame = np.full(FRAME, self.t[i], np.uint8)
@@ -43,6 +44,14 @@ class ScriptedEnvs:
             self.t[i] += 1
             out.append(self._timestep(i, 1.0))
         return out
+
+    def step_async(self, actions):
+        assert self.pending is None, "a step handed out twice"
+        self.pending = actions
+
+    def step_wait(self):
+        actions, self.pending = self.pending, None
+        return self.step(actions)
 
     def get_rng_states(self):
         return [None] * self.num_envs
@@ -140,3 +149,118 @@ def test_run_episodes_plays_whole_episodes_and_can_give_up():
     )
     assert returns == [4.0, 4.0] and frames == [0] * 5 + [1] * 5
     assert run_episodes(One(env), lambda obs, sample: np.zeros((1, 1)), 1, should_abandon=lambda: True) is None
+
+
+def _consume(stream, collector, replay):
+    """Each batch with what a callback after its update would see: (in flight, at the episode
+    boundary, transitions stored, agent steps)."""
+    seen = []
+    for _batch in stream:
+        seen.append((collector.in_flight, collector.at_episode_boundary, len(replay), collector.agent_steps))
+    return seen
+
+
+@pytest.mark.parametrize("num_envs", [1, 2])
+def test_an_overlapped_stream_updates_while_the_step_is_in_flight(num_envs):
+    """Each step's batches come while its transitions are still with the environments (drawn
+    from one step fewer than in DrQ's order), except in a step that ends an episode, after whose
+    updates a callback sees the boundary as before, and the budget's last step; the counters,
+    the number of updates and every stored transition are DrQ's order's."""
+    runs = {}
+    for overlap in (False, True):
+        collector, envs, replay, _ = make(seed_steps=2 * num_envs, num_envs=num_envs)
+        stream = ExperienceStream(collector, 4, 10 * num_envs, 1, np.random.default_rng(1), overlap=overlap)
+        runs[overlap] = (_consume(stream, collector, replay), collector, replay)
+    (drq, collector_a, replay_a), (overlapped, collector_b, replay_b) = runs[False], runs[True]
+    assert len(drq) == len(overlapped) == 8 * num_envs  # (10 - 2) steps of each env, one update each
+    assert not any(in_flight for in_flight, *_ in drq)
+    episodes = 3  # ScriptedEnvs: an episode is 3 steps; the seed phase took steps 1-2
+    per_batch = [(step, k) for step in range(3, 11) for k in range(num_envs)]
+    for (step, _), (in_flight, boundary, stored, _steps), (_, drq_boundary, drq_stored, _) in zip(
+        per_batch, overlapped, drq
+    ):
+        ends_episode, last_of_budget = step % episodes == 0, step == 10
+        assert in_flight == (not ends_episode and not last_of_budget), step
+        assert boundary == drq_boundary == ends_episode, step
+        assert stored == drq_stored - (num_envs if in_flight else 0), step
+    assert (collector_a.agent_steps, collector_a.env_frames, collector_a.episodes) == (
+        collector_b.agent_steps,
+        collector_b.env_frames,
+        collector_b.episodes,
+    )
+    assert not collector_b.in_flight
+    for buffer_a, buffer_b in zip(replay_a.buffers, replay_b.buffers):
+        state_a, state_b = buffer_a.state_dict(), buffer_b.state_dict()
+        for key in state_a:
+            assert np.array_equal(np.asarray(state_a[key]), np.asarray(state_b[key])), key
+
+
+def test_a_step_in_flight_is_stored_before_the_collection_state_is_taken():
+    collector, envs, replay, _ = make(seed_steps=0)
+    collector.begin_step()
+    assert collector.in_flight and envs.pending is not None and not collector.at_episode_boundary
+    with pytest.raises(RuntimeError, match="in flight"):
+        collector.begin_step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        collector.load_state_dict({})
+    state = collector.state_dict()  # a checkpoint taken during an overlapped update
+    assert state["agent_steps"] == 2 and len(replay) == 2 and not collector.in_flight
+    collector.finish_step()  # the stream's own finish then has nothing left to do
+    assert collector.agent_steps == 2 and len(replay) == 2
+
+
+def test_whether_the_next_step_may_end_an_episode():
+    collector, *_ = make(seed_steps=0)  # 3-step episodes
+    assert not collector.next_step_may_end_episode()  # a fresh episode is 3 steps long
+    collector.step()
+    assert not collector.next_step_may_end_episode()
+    collector.step()
+    assert collector.next_step_may_end_episode()
+    collector.step()
+    assert collector.at_episode_boundary and not collector.next_step_may_end_episode()
+    one_step, *_ = make(seed_steps=0)
+    one_step.envs.length, one_step.envs.episode_frames = 1, one_step.envs.action_repeat
+    assert one_step.next_step_may_end_episode()
+    no_limit, *_ = make(seed_steps=0)
+    no_limit.envs.episode_frames = None
+    assert no_limit.next_step_may_end_episode()
+
+
+def test_overlap_leaves_a_stream_without_updates_in_drq_order():
+    collector, envs, replay, _ = make(seed_steps=0)
+    stream = ExperienceStream(collector, 4, 10, 0, np.random.default_rng(1), overlap=True)
+    assert list(stream) == [] and collector.agent_steps == 10 and not collector.in_flight
+
+
+def test_a_checkpoint_written_during_an_overlapped_update_holds_the_step_in_flight_everywhere(tmp_path):
+    """A save between the updates of an overlapped step (a stop with no wait, a numerical
+    failure) stores the step first: the replay file, its name and the collection state in the
+    checkpoint all hold it (a replay one step short would not match its checkpoint on resume)."""
+    import torch
+
+    from pixelsac.callbacks import Checkpointer
+    from pixelsac.checkpoint import REPLAY_OWNER
+
+    collector, envs, replay, _ = make(seed_steps=0)
+    collector.step()
+    collector.begin_step()  # in flight, as during the overlapped step's updates
+    saved = {}
+
+    class Trainer:  # what Checkpointer._write asks of Lightning's
+        is_global_zero, global_rank, world_size = True, 0, 1
+
+        def save_checkpoint(self, path, weights_only=False):
+            saved["collector"] = checkpointer.state_dict()["collector"]
+            torch.save({}, path)
+
+    class Module:
+        updates = 7
+
+    checkpointer = Checkpointer(tmp_path, collector, save_replay=True)
+    assert checkpointer._write(Trainer(), Module(), ["last.ckpt"])
+    replay_file = tmp_path / "checkpoints" / f"replay-{4:010d}.pt"
+    contents = torch.load(replay_file, weights_only=True)
+    assert saved["collector"]["agent_steps"] == 4 and contents[REPLAY_OWNER]["agent_steps"] == 4
+    # each env's ring: the first frame's slot and both steps (one slot fewer without the one in flight)
+    assert [len(ring["actions"]) for ring in contents["buffers"]] == [3, 3] and len(replay) == 4
+    assert not collector.in_flight and checkpointer.saved_at == (4, 7)

@@ -460,6 +460,7 @@ def test_goals_runs_only_what_the_speed_goals_need_and_fits():
     text = SCRIPT.read_text()
     assert "bench.batch_sizes=512,128 bench.modes=fp32,fp16,fp16-compiled bench.cuda_graphs=$GRAPHS" in text
     assert "perf.compile_optimizer=true env.num_envs=$GOALS_ENVS" in text
+    assert "train.overlap_collection=true $fast_goals" in text  # the fast run steps its envs during updates
     assert script_defaults()["GOALS"] == 0 and script_defaults()["GOALS_ENVS"] == 8
 
 

@@ -63,6 +63,39 @@ def test_collection_with_workers_equals_serial_collection(parallel):
     assert batch["obs"].shape == (8, 9, 24, 24)
 
 
+def test_a_step_handed_out_is_taken_later_with_the_same_transitions(parallel):
+    serial = SerialEnvs("cartpole_swingup", [3, 4], **KWARGS)
+    try:
+        parallel.set_rng_states(serial.get_rng_states())
+        for envs in (parallel, serial):
+            envs.reset([0, 1])
+        actions = np.array([[0.3], [-0.7]], np.float32)
+        for envs in (parallel, serial):
+            envs.step_async(actions)
+            assert envs.in_flight
+            for ask, args in ((envs.reset, ([0],)), (envs.get_rng_states, ()), (envs.step_async, (actions,))):
+                with pytest.raises(RuntimeError, match="while a step is in flight"):
+                    ask(*args)
+        # the workers stepped while this process went on; in this process the step runs now
+        for a, b in zip(parallel.step_wait(), serial.step_wait()):
+            assert np.array_equal(a.frame, b.frame) and a.reward == b.reward
+        assert not parallel.in_flight and not serial.in_flight
+        with pytest.raises(RuntimeError, match="without a step_async"):
+            parallel.step_wait()
+        assert parallel.get_rng_states() == serial.get_rng_states()  # the pipes hold no stray answer
+    finally:
+        serial.close()
+
+
+def test_closing_with_a_step_in_flight_ends_the_workers():
+    envs = ParallelEnvs("cartpole_swingup", [0], **KWARGS)
+    procs = list(envs._procs)
+    envs.reset([0])
+    envs.step_async(np.zeros((1, 1), np.float32))  # the run ended during an update
+    envs.close()
+    assert not envs.in_flight and all(proc.exitcode == 0 for proc in procs)
+
+
 def test_a_worker_error_is_reported_with_its_message():
     envs = ParallelEnvs("cartpole_swingup", [0], **KWARGS)
     try:
@@ -100,3 +133,65 @@ def test_training_with_two_env_workers(tmp_path):
     collector = state["callbacks"]["Checkpointer"]["collector"]
     assert collector["env_frames"] == 320 and collector["agent_steps"] == 40 and len(collector["env_rngs"]) == 2
     assert state["pixelsac"]["updates"] == 24  # the update-to-data ratio holds per agent step
+
+
+@pytest.mark.slow
+def test_overlapped_collection_trains_and_resumes_exactly(tmp_path):
+    """train.overlap_collection: the environment steps in a worker during the updates. A run
+    stopped at 320 frames and resumed to 640 ends where one run to 640 ends, bit for bit (its
+    checkpoints are taken at episode boundaries, whose steps keep DrQ's order); and the updates
+    did draw from fewer transitions than DrQ's order, so the weights differ from its run."""
+    import torch
+    from conftest import TINY, run_cli, start_cli
+
+    args = [*TINY, "precision=fp32", "train.num_threads=1", "train.overlap_collection=true"]
+    straight, split, drq = tmp_path / "straight", tmp_path / "split", tmp_path / "drq"
+    straight_run = start_cli(*args, "train.env_frames=640", f"run_dir={straight}", cwd=tmp_path)
+    first = run_cli(*args, "train.env_frames=320", f"run_dir={split}", cwd=tmp_path)
+    _, straight_err = straight_run.communicate(timeout=600)
+    assert straight_run.returncode == 0, straight_err[-2000:]
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "collection: 1 environment in worker processes, stepping while the learner updates" in first.stdout
+    second = run_cli(f"resume={split}", "train.env_frames=640", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    in_order = run_cli(*args, "train.overlap_collection=false", "train.env_frames=640", f"run_dir={drq}", cwd=tmp_path)
+    assert in_order.returncode == 0, in_order.stderr[-2000:]
+    assert "collection:" not in in_order.stdout  # one env in this process, DrQ's order
+
+    def state(run_dir):
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+
+    a, b, c = state(straight), state(split), state(drq)
+    assert a["pixelsac"]["updates"] == b["pixelsac"]["updates"] == c["pixelsac"]["updates"] == 64
+    for key in a["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
+    collected = [run["callbacks"]["Checkpointer"]["collector"] for run in (a, b, c)]
+    assert collected[0] == collected[1] and collected[0]["env_frames"] == collected[2]["env_frames"] == 640
+    assert any(not torch.equal(a["state_dict"][key], c["state_dict"][key]) for key in a["state_dict"])
+
+
+def test_the_start_lines_say_where_the_environments_step_and_when_they_share_the_cores(monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from pixelsac.config import load_config
+    from pixelsac.train import start_lines
+
+    cfg = load_config(["precision=fp32", "train.overlap_collection=true"])
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
+    run = SimpleNamespace(cfg=cfg, trainer=trainer, env=SimpleNamespace(action_repeat=8), replay=SimpleNamespace())
+    run.replay.describe = lambda: "replay buffer: ..."
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    lines = start_lines(run)
+    want = "collection: 1 environment in worker processes, stepping while the learner updates "
+    want += "(train.overlap_collection)"
+    assert want in lines
+    note = "  note: the update's 2 threads and 1 worker share 2 cores and take turns rather than overlap "
+    assert note + "(train.num_threads=1 leaves the workers cores of their own)" in lines
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert want in start_lines(run) and not any("note:" in line for line in start_lines(run))
+    run.cfg = load_config(["precision=fp32"])
+    assert not any(line.startswith("collection:") for line in start_lines(run))  # DrQ's order, in this process

@@ -41,7 +41,7 @@ GOAL_FRAMES_PER_S = 800.0
 FP16_MODES = ("fp16", "fp16-compiled")
 #: training run -> (the part it runs in, what it is)
 RUNS = {
-    "fast_fp16": ("fast", "fp16 + six, CUDA graphs and GPU-resident replay, alone on the device"),
+    "fast_fp16": ("fast", "fp16 + six, CUDA graphs, GPU-resident replay, overlapped collection, alone on the device"),
 }
 GRAPH_TEST = "test_real_cuda_graphs_equal_eager_updates_on_a_gpu"
 ARCHIVED_SUFFIXES = (".md", ".csv", ".json", ".log", ".txt", ".tsv", ".png", ".yaml", ".xml")

@@ -26,7 +26,8 @@
 #   layout     fp32 and fp16 with channels_last off/on, batch 512                        (T_CL)
 #   batchsrc   fp16 with the batch in pageable / pinned host memory / on the GPU        (T_SRC)
 #   fast       one fp16 training run alone: CUDA graphs (if checked), GPU-resident replay,
-#              10% seed steps: end-to-end env frames/s                                  (T_FAST)
+#              the environment stepping in a worker during the updates
+#              (train.overlap_collection), 10% seed steps: end-to-end env frames/s        (T_FAST)
 #   compile    fp32 and fp16 with torch.compile, batch 512 (off unless COMPILE=1)    (T_COMPILE)
 #   optstep    fp16 and bf16, hAdam eager vs compiled (perf.compile_optimizer), batches 512
 #              and 128, as CUDA graphs (off unless OPTSTEP=1; drop a part to fit it)  (T_OPTSTEP)
@@ -304,7 +305,7 @@ if [[ "$FAST_FRAMES" != 0 ]]; then
   fast_goals=$([[ "$GOALS" != 0 ]] && echo "perf.compile_optimizer=true env.num_envs=$GOALS_ENVS")
   part fast bash -c "train_run fast_fp16 fp16 train.env_frames=$FAST_FRAMES train.seed_steps=$seed_steps \
     train.eval_every_frames=$FAST_FRAMES train.eval_episodes=2 perf.cuda_graphs=$fast_graphs replay.device=auto \
-    $fast_goals"
+    train.overlap_collection=true $fast_goals"
 fi
 
 if [[ "$COMPILE" != 0 && "$GOALS" == 0 ]]; then

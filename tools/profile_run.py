@@ -14,7 +14,9 @@ Parts: the gradient update (``SACModule.training_step``), the policy forward pas
 (``SACModule.act``), rendering (``DMCEnv._render_hwc``), physics and the rest of an env step
 (``DMCEnv.step``/``reset`` less rendering), replay writes and sampling, evaluation episodes
 (``run_episodes`` less their acting and rendering), checkpoint writes, and the logging callbacks.
-Collection and evaluation are told apart for acting and rendering.
+Collection and evaluation are told apart for acting and rendering. Environments in worker
+processes (``env.num_envs`` > 1, ``train.overlap_collection``) render and step there: this
+process sees the time it waits for them.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class ExclusiveTimers:
 
 def install(timers: ExclusiveTimers) -> None:
     from pixelsac import callbacks, collect, module, perf, replay
-    from pixelsac.envs import dmc
+    from pixelsac.envs import dmc, vector
 
     def phase(what: str) -> Callable[[], str]:
         return lambda: f"{what} ({'eval' if timers.in_eval else 'collect'})"
@@ -77,7 +79,11 @@ def install(timers: ExclusiveTimers) -> None:
     timers.wrap(replay.ReplaySet, "add", "replay add")
     timers.wrap(replay.ReplaySet, "add_first", "replay add")
     timers.wrap(replay.ReplaySet, "sample", "replay sample")
-    timers.wrap(collect.Collector, "step", "collector bookkeeping")
+    # the stream begins and finishes each step apart (train.overlap_collection); step() is both
+    timers.wrap(collect.Collector, "begin_step", "collector bookkeeping")
+    timers.wrap(collect.Collector, "finish_step", "collector bookkeeping")
+    timers.wrap(vector.ParallelEnvs, "step_wait", "waiting for env workers")
+    timers.wrap(vector.ParallelEnvs, "reset", "waiting for env workers")
     timers.wrap(callbacks.Checkpointer, "save", "checkpoint writes")
     timers.wrap(callbacks.TrainingLogger, "on_train_batch_end", "logging callbacks")
     timers.wrap(perf.PerfTracker, "on_train_batch_end", "logging callbacks")

@@ -8,6 +8,12 @@ flavours, and a worker does exactly what the in-process environment would: the s
 actions give the same transitions. A worker that raises reports its error and traceback; one
 that dies outright (killed, crashed) is reported with its exit code -- never waited on forever.
 A worker ends with the process that started it, however that ends (:mod:`pixelsac.lifeline`).
+
+A step can also be split in two, :meth:`step_async` (hand out the actions) and :meth:`step_wait`
+(take the transitions), so that the learner updates while the environments step
+(``train.overlap_collection``): workers then run the step during the update; in this process the
+step runs in :meth:`step_wait`, after the learner has queued its update's GPU work. While a step
+is in flight nothing else may be asked of the set but :meth:`step_wait` and :meth:`close`.
 """
 
 from __future__ import annotations
@@ -40,12 +46,18 @@ class EnvWorkerError(RuntimeError):
     """An environment worker process failed; the message carries its error."""
 
 
+def _refuse_in_flight(in_flight: bool, what: str) -> None:
+    if in_flight:
+        raise RuntimeError(f"{what}() while a step is in flight: take it with step_wait() first")
+
+
 class SerialEnvs:
     """N environments in this process, with the same interface as :class:`ParallelEnvs`."""
 
     def __init__(self, task: str, seeds: Sequence[int], **env_kwargs: Any) -> None:
         self.envs = [DMCEnv(task, seed=seed, **env_kwargs) for seed in seeds]
         self.seeds = list(seeds)
+        self._actions: np.ndarray | None = None  # a step handed out, not yet taken (step_async)
 
     @property
     def num_envs(self) -> int:
@@ -58,19 +70,42 @@ class SerialEnvs:
         raise AttributeError(name)
 
     def reset(self, indices: Sequence[int]) -> list[TimeStep]:
+        _refuse_in_flight(self.in_flight, "reset")
         return [self.envs[i].reset() for i in indices]
 
     def step(self, actions: np.ndarray) -> list[TimeStep]:
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions: np.ndarray) -> None:
+        """Hand out one action per environment; :meth:`step_wait` steps them (in this process
+        nothing can run beside the learner, so the step waits for the caller's next call)."""
+        _refuse_in_flight(self.in_flight, "step_async")
+        self._actions = np.asarray(actions)
+
+    def step_wait(self) -> list[TimeStep]:
+        """Step every environment with the actions of :meth:`step_async`."""
+        if self._actions is None:
+            raise RuntimeError("step_wait() without a step_async()")
+        actions, self._actions = self._actions, None
         return [env.step(action) for env, action in zip(self.envs, actions)]
 
+    @property
+    def in_flight(self) -> bool:
+        """A step has been handed out and not yet taken."""
+        return self._actions is not None
+
     def get_rng_states(self) -> list[dict]:
+        _refuse_in_flight(self.in_flight, "get_rng_states")
         return [env.get_rng_state() for env in self.envs]
 
     def set_rng_states(self, states: Sequence[dict]) -> None:
+        _refuse_in_flight(self.in_flight, "set_rng_states")
         for env, state in zip(self.envs, states):
             env.set_rng_state(state)
 
     def close(self) -> None:
+        self._actions = None  # a step handed out and never taken is dropped
         for env in self.envs:
             env.close()
 
@@ -160,6 +195,7 @@ class ParallelEnvs:
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
+        self._in_flight = False  # every worker has been sent a step whose answer is not yet taken
         for seed in self.seeds:
             parent, child = context.Pipe()
             proc = lifeline.tied_process(context, _worker, (child, task, seed, env_kwargs), daemon=True)
@@ -191,6 +227,11 @@ class ParallelEnvs:
         return receive_from(self._conns[i], self._procs[i], who, self.timeout_s)
 
     def _call_all(self, command: str, args: Sequence[Any], indices: Sequence[int]) -> list[Any]:
+        self._send_all(command, args, indices)
+        return [self._receive(i) for i in indices]  # all requests first: the workers run in parallel
+
+    def _send_all(self, command: str, args: Sequence[Any], indices: Sequence[int]) -> None:
+        _refuse_in_flight(self._in_flight, command)
         for i, arg in zip(indices, args):
             try:
                 self._conns[i].send((command, arg))
@@ -200,13 +241,30 @@ class ParallelEnvs:
                     f"env worker {i} ({self.task_name}, seed {self.seeds[i]}) died "
                     f"with exit code {self._procs[i].exitcode}"
                 ) from None
-        return [self._receive(i) for i in indices]  # all requests first: the workers run in parallel
 
     def reset(self, indices: Sequence[int]) -> list[TimeStep]:
         return self._call_all("reset", [None] * len(indices), indices)
 
     def step(self, actions: np.ndarray) -> list[TimeStep]:
         return self._call_all("step", list(actions), range(self.num_envs))
+
+    def step_async(self, actions: np.ndarray) -> None:
+        """Send every worker its action and return at once: the workers step while the caller
+        goes on; :meth:`step_wait` takes the transitions."""
+        self._send_all("step", list(actions), range(self.num_envs))
+        self._in_flight = True
+
+    def step_wait(self) -> list[TimeStep]:
+        """The transitions of the step :meth:`step_async` handed out, waited for."""
+        if not self._in_flight:
+            raise RuntimeError("step_wait() without a step_async()")
+        self._in_flight = False  # taken or failed: a worker that failed has answered or died
+        return [self._receive(i) for i in range(self.num_envs)]
+
+    @property
+    def in_flight(self) -> bool:
+        """A step has been sent to the workers and its answers not yet taken."""
+        return self._in_flight
 
     def get_rng_states(self) -> list[dict]:
         return self._call_all("get_rng", [None] * self.num_envs, range(self.num_envs))
@@ -215,8 +273,11 @@ class ParallelEnvs:
         self._call_all("set_rng", list(states), range(self.num_envs))
 
     def close(self) -> None:
+        in_flight, self._in_flight = self._in_flight, False
         for conn, proc in zip(self._conns, self._procs):
             try:
+                if in_flight and proc.is_alive() and conn.poll(10):
+                    conn.recv()  # the answer to a step never taken (the run ended during an update)
                 if proc.is_alive():
                     conn.send(("close", None))
                     if conn.poll(10):
