@@ -175,6 +175,7 @@ def start_lines(run: Any) -> list[str]:
     kernels."""
     import torch
 
+    from pixelsac.footprint import usable_cores
     from pixelsac.precision import PrecisionPolicy
 
     cfg, device, world = run.cfg, run.trainer.strategy.root_device, run.trainer.world_size
@@ -188,7 +189,7 @@ def start_lines(run: Any) -> list[str]:
     if num_envs > 1 or overlap:
         how = "stepping while the learner updates (train.overlap_collection)" if overlap else "stepped between updates"
         lines.append(f"collection: {num_envs} environment{'s' * (num_envs > 1)} in worker processes, {how}")
-        threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+        threads, cores = torch.get_num_threads(), usable_cores()
         if overlap and device.type == "cpu" and threads + num_envs > cores:
             fix = f"train.num_threads={cores - num_envs} leaves the workers cores of their own"
             lines.append(

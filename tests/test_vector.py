@@ -171,11 +171,11 @@ def test_overlapped_collection_trains_and_resumes_exactly(tmp_path):
 
 
 def test_the_start_lines_say_where_the_environments_step_and_when_they_share_the_cores(monkeypatch):
-    import os
     from types import SimpleNamespace
 
     import torch
 
+    from pixelsac import footprint
     from pixelsac.config import load_config
     from pixelsac.train import start_lines
 
@@ -183,7 +183,7 @@ def test_the_start_lines_say_where_the_environments_step_and_when_they_share_the
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")), world_size=1)
     run = SimpleNamespace(cfg=cfg, trainer=trainer, env=SimpleNamespace(action_repeat=8), replay=SimpleNamespace())
     run.replay.describe = lambda: "replay buffer: ..."
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(footprint, "usable_cores", lambda: 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     lines = start_lines(run)
     want = "collection: 1 environment in worker processes, stepping while the learner updates "

@@ -17,7 +17,6 @@ the tool with its exit code and the tail of its log.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shlex
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_report import steady_frames_per_s  # noqa: E402  (the GPU report's end-to-end figure)
 from table_files import write_table_files  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,18 +39,6 @@ def _overrides(text: str) -> list[str]:
         if "=" not in word:
             raise argparse.ArgumentTypeError(f"{word!r} is not a key=value override")
     return words
-
-
-def steady_frames_per_s(run_dir: Path) -> float | None:
-    """The median of ``perf/env_frames_per_s`` over the later half of the run's log intervals."""
-    try:
-        with (run_dir / "metrics.csv").open() as f:
-            rows = list(csv.DictReader(f))
-        values = [float(row["perf/env_frames_per_s"]) for row in rows if row.get("perf/env_frames_per_s")]
-    except (OSError, ValueError, KeyError):
-        return None
-    later = values[len(values) // 2 :]
-    return statistics.median(later) if later else None
 
 
 def run_once(label: str, overrides: list[str], run_dir: Path, python: str) -> dict[str, Any]:

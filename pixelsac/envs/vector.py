@@ -11,9 +11,10 @@ A worker ends with the process that started it, however that ends (:mod:`pixelsa
 
 A step can also be split in two, :meth:`step_async` (hand out the actions) and :meth:`step_wait`
 (take the transitions), so that the learner updates while the environments step
-(``train.overlap_collection``): workers then run the step during the update; in this process the
-step runs in :meth:`step_wait`, after the learner has queued its update's GPU work. While a step
-is in flight nothing else may be asked of the set but :meth:`step_wait` and :meth:`close`.
+(``train.overlap_collection``): workers run the step during the update (a run that overlaps
+always steps its environments in workers); in this process nothing runs beside the caller, so
+:meth:`SerialEnvs.step_wait` takes the step then. While a step is in flight nothing else may be
+asked of the set but :meth:`step_wait` and :meth:`close`.
 """
 
 from __future__ import annotations
