@@ -94,5 +94,6 @@ def build_run(cfg, resume_from=None, **kwargs):
     return run
 
 
-run_mod.build_run = build_run
-sys.exit(train_mod.main(merged(*sys.argv[1:])))
+if __name__ == "__main__":  # an env worker, started by spawn, imports this script again
+    run_mod.build_run = build_run
+    sys.exit(train_mod.main(merged(*sys.argv[1:])))

@@ -34,12 +34,18 @@ def differing(a: dict, b: dict) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "precision,poison,extra",
-    [("fp32", -1, ()), ("fp16", 3, ()), ("fp16", 3, ("perf.compile_optimizer=true",))],
-    ids=["fp32", "fp16", "fp16-compiled-hadam"],
+    [
+        ("fp32", -1, ()),
+        ("fp16", 3, ()),
+        ("fp16", 3, ("perf.compile_optimizer=true",)),
+        ("fp32", -1, ("train.overlap_collection=true",)),
+    ],
+    ids=["fp32", "fp16", "fp16-compiled-hadam", "fp32-overlapped-collection"],
 )
 def test_ranks_hold_bitwise_identical_weights(tmp_path, precision, poison, extra):
     """fp16 with an overflow on one rank alone at update 3: every rank skips it, and stays
-    identical (also with hAdam's compiled step, which each rank compiles for itself)."""
+    identical (also with hAdam's compiled step, which each rank compiles for itself); and with
+    each rank's environment stepping in its own worker during the updates."""
     a, b = run_ddp(tmp_path, f"precision={precision}", *extra, poison=poison)
     assert a["updates"] == b["updates"] > 0
     assert differing(a, b) == []
