@@ -87,10 +87,15 @@ class Collector:
         (one ended early, by termination), so that no common boundary is in sight."""
         if self.at_episode_boundary:
             return 0
-        frames, repeat = getattr(self.envs, "episode_frames", None), getattr(self.envs, "action_repeat", None)
-        if frames is None or repeat is None or len(set(self._lengths)) > 1 or None in self._timesteps:
+        episode = self._episode_steps()
+        if episode is None or len(set(self._lengths)) > 1 or None in self._timesteps:
             return None
-        return max(-(-frames // repeat) - self._lengths[0], 1)
+        return max(episode - self._lengths[0], 1)
+
+    def _episode_steps(self) -> int | None:
+        """Agent steps in an episode that runs to the time limit (None: no time limit known)."""
+        frames, repeat = getattr(self.envs, "episode_frames", None), getattr(self.envs, "action_repeat", None)
+        return None if frames is None or repeat is None else -(-frames // repeat)
 
     @property
     def total_env_frames(self) -> int:
@@ -111,8 +116,7 @@ class Collector:
         (episodes out of step, an env without a time limit)."""
         steps = self.steps_to_episode_boundary
         if steps == 0:  # the next step starts new episodes: they end at the time limit, or sooner
-            frames, repeat = getattr(self.envs, "episode_frames", None), getattr(self.envs, "action_repeat", None)
-            steps = None if frames is None or repeat is None else -(-frames // repeat)
+            steps = self._episode_steps()
         return steps is None or steps <= 1
 
     def step(self) -> None:

@@ -55,7 +55,7 @@ def test_rounds_alternate_and_the_ratio_is_of_each_round(tmp_path, fake_train, c
     assert first["b"]["wall_s"] == 40.0
     table = out.with_suffix(".md").read_text()
     assert table.startswith("Command: `python tools/run_ab.py --a train.overlap_collection=false")
-    assert "| median | | | 1.500 | 1.500 |" in table and "Machine: " in table
+    assert "| median | | | 1.500 | 1.500 |" in table and "Machine: " in table and "torch " in table
     assert "| 1 | 60.0, 100.0, 100.0 | 40.0, 150.0, 150.0 | 1.500 | 1.500 |" in capsys.readouterr().out
 
 

@@ -61,17 +61,19 @@ def run_once(label: str, overrides: list[str], run_dir: Path, python: str) -> di
 
 
 def machine() -> str:
-    """The CPU's model, its core count and its 16-bit float extensions, from /proc/cpuinfo."""
-    import os
+    """The CPU's model and 16-bit float extensions (from /proc/cpuinfo), then the grid tool's
+    hardware line (cores, torch, the CUDA device) and the code version the runs train with."""
+    from experiment import code_version, hardware_line
 
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return f"{os.cpu_count()} cores"
+        text = ""
     model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     extensions = [flag for flag in ("avx512_bf16", "avx512_fp16", "amx_bf16") if flag in flags]
-    return f"{model}, {os.cpu_count()} cores, {' '.join(extensions) or 'no avx512_bf16/avx512_fp16/amx_bf16'}"
+    cpu = f"{model} ({' '.join(extensions) or 'no avx512_bf16/avx512_fp16/amx_bf16'})"
+    return f"{cpu}; {hardware_line()}; code {code_version()}"
 
 
 def _ratio(b: float | None, a: float | None) -> float | None:
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     code = cli.run_command(check, [], __doc__ or "")
     if code != 0:
         return code
+    where = machine()  # before the runs: the code they train with
     with tempfile.TemporaryDirectory(prefix="run_ab-") as scratch:
         work = args.work or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
@@ -149,10 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                 each[which] = run_once(which.upper(), [*shared, *extra], work / f"round{i}_{which}", args.python)
                 print(f"round {i} {which.upper()}: {each[which]}", flush=True)
             rounds.append(each)
-    text = f"Machine: {machine()}. Shared: {' '.join(shared) or '(none)'}.\n" + table(rounds, args.a, args.b)
+    text = f"Machine: {where}. Shared: {' '.join(shared) or '(none)'}.\n" + table(rounds, args.a, args.b)
     print(text, end="")
     if args.out:
-        data = {"machine": machine(), "shared": shared, "a": args.a, "b": args.b, "rounds": rounds}
+        data = {"machine": where, "shared": shared, "a": args.a, "b": args.b, "rounds": rounds}
         write_table_files(args.out, "run_ab.py", argv, text, data)
     return 0
 

@@ -247,7 +247,8 @@ class ParallelEnvs:
         return self._call_all("reset", [None] * len(indices), indices)
 
     def step(self, actions: np.ndarray) -> list[TimeStep]:
-        return self._call_all("step", list(actions), range(self.num_envs))
+        self.step_async(actions)
+        return self.step_wait()
 
     def step_async(self, actions: np.ndarray) -> None:
         """Send every worker its action and return at once: the workers step while the caller
