@@ -85,17 +85,97 @@ def _resolve_placement(device: torch.device | str | None, pin_memory: bool) -> t
     return device, bool(pin_memory)
 
 
-def _concatenate(pieces: list[torch.Tensor], pin_memory: bool) -> torch.Tensor:
-    """`torch.cat` along the batch axis into a fresh tensor on the pieces' device, page-locked
-    when asked (a plain torch.cat of pinned tensors would return pageable memory)."""
-    first = pieces[0]
-    out = torch.empty(
-        (sum(piece.shape[0] for piece in pieces), *first.shape[1:]),
-        dtype=first.dtype,
-        device=first.device,
-        pin_memory=pin_memory,
+def _allocate(
+    slots: tuple[int, ...],
+    frame_shape: tuple[int, ...],
+    frame_dtype: np.dtype,
+    action_dim: int,
+    device: torch.device | None,
+) -> tuple[Any, Any, Any, Any]:
+    """Zeroed frames, actions, rewards and terminals with leading dimensions `slots` (one ring's
+    capacity, or rings x capacity): host numpy arrays (device None) or tensors on `device`."""
+    if device is None:
+        # np.zeros maps pages lazily, so a large buffer costs RAM only as it fills.
+        return (
+            np.zeros((*slots, *frame_shape), dtype=frame_dtype),
+            np.zeros((*slots, action_dim), dtype=np.float32),
+            np.zeros(slots, dtype=np.float32),
+            np.zeros(slots, dtype=bool),
+        )
+    # Allocated (and zeroed) in full now: a device that cannot hold the ring fails at start-up,
+    # not hours into a run.
+    return (
+        torch.zeros((*slots, *frame_shape), dtype=_torch_dtype(frame_dtype), device=device),
+        torch.zeros((*slots, action_dim), dtype=torch.float32, device=device),
+        torch.zeros(slots, dtype=torch.float32, device=device),
+        torch.zeros(slots, dtype=torch.bool, device=device),
     )
-    return torch.cat(pieces, out=out)
+
+
+def _host_copy(array: np.ndarray, device: torch.device | None) -> torch.Tensor:
+    """A private host copy of `array` that `copy_(..., non_blocking=True)` to `device` may read
+    later.
+
+    For CUDA it is page-locked, so the copy neither waits for queued GPU work nor blocks the
+    host; torch's caching host allocator keeps the block until that copy has run, so the
+    caller may reuse `array` at once. Other devices copy synchronously anyway.
+    """
+    if device is not None and device.type == "cuda":
+        staged = torch.empty(array.shape, dtype=_torch_dtype(array.dtype), pin_memory=True)
+        staged.numpy()[...] = array
+        return staged
+    return torch.from_numpy(np.array(array, copy=True))  # writable and contiguous
+
+
+def _gather(
+    storage: tuple[Any, Any, Any, Any],
+    slots: np.ndarray,
+    frame_stack: int,
+    device: torch.device | None,
+    pin_memory: bool,
+) -> dict[str, torch.Tensor]:
+    """The batch of the stacked `slots` (B, k+1) (:meth:`ReplayBuffer._stack_slots`) from
+    `storage` (frames, actions, rewards, terminals, each indexed by slot): host numpy arrays
+    filled into fresh host tensors (page-locked with `pin_memory`), or tensors on `device`
+    gathered there. One ring's slots, or a :class:`ReplaySet`'s slots into its joint storage."""
+    frames, actions, rewards, terminals = storage
+    batch_size, frame_shape = slots.shape[0], tuple(frames.shape[1:])
+    flat_obs_shape = (batch_size, frame_stack * frame_shape[0], *frame_shape[1:])
+    if device is not None:
+        # The slot numbers are the only host->device transfer (asynchronous from pinned memory
+        # on CUDA), and nothing here reads a device value back, so the host never waits for
+        # the GPU.
+        index = _host_copy(slots, device).to(device, non_blocking=True)
+        sampled = index[:, frame_stack]
+        # Two gathers rather than one of k+1 frames sliced twice: obs and next_obs come out
+        # contiguous and independent, as the host buffer returns them.
+        return {
+            "obs": frames[index[:, :frame_stack]].reshape(flat_obs_shape),
+            "action": actions[sampled],
+            "reward": rewards[sampled].unsqueeze(1),
+            "not_terminal": (~terminals[sampled]).to(torch.float32).unsqueeze(1),
+            "next_obs": frames[index[:, 1:]].reshape(flat_obs_shape),
+        }
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+
+    stacked_shape = (batch_size, frame_stack, *frame_shape)
+    sampled = slots[:, frame_stack]
+    frame_dtype = _torch_dtype(frames.dtype)
+    obs, next_obs = empty(flat_obs_shape, frame_dtype), empty(flat_obs_shape, frame_dtype)
+    action = empty((batch_size, actions.shape[1]), torch.float32)
+    reward, not_terminal = empty((batch_size, 1), torch.float32), empty((batch_size, 1), torch.float32)
+    # np.take writes straight into the tensors' memory (no temporary batch); mode="clip" skips
+    # the buffered bounds check that "raise" needs with out=, and the slots are in range by
+    # construction.
+    take = {"axis": 0, "mode": "clip"}
+    np.take(frames, slots[:, :frame_stack], out=obs.numpy().reshape(stacked_shape), **take)
+    np.take(frames, slots[:, 1:], out=next_obs.numpy().reshape(stacked_shape), **take)
+    np.take(actions, sampled, out=action.numpy(), **take)
+    np.take(rewards, sampled, out=reward.numpy().reshape(batch_size), **take)
+    not_terminal.numpy()[:, 0] = ~terminals[sampled]
+    return {"obs": obs, "action": action, "reward": reward, "not_terminal": not_terminal, "next_obs": next_obs}
 
 
 class ReplayBuffer:
@@ -114,6 +194,9 @@ class ReplayBuffer:
             flags and counters stay on the host either way.
         pin_memory: with host storage, return batches in page-locked memory so copying them to
             a CUDA device is asynchronous; needs CUDA (ValueError otherwise).
+        storage: the ring's frames, actions, rewards and terminals, made by :func:`_allocate`
+            for this placement (a :class:`ReplaySet` hands each ring its block of one joint
+            allocation); None allocates them.
 
     Usage: `add_first(frame)` at every episode start, then `add(action, reward, terminal,
     next_frame)` after each agent step.
@@ -128,6 +211,7 @@ class ReplayBuffer:
         action_dim: int,
         device: torch.device | str | None = None,
         pin_memory: bool = False,
+        storage: tuple[Any, Any, Any, Any] | None = None,
     ) -> None:
         self._capacity = _positive("capacity", capacity)
         self._frame_stack = _positive("frame_stack", frame_stack)
@@ -143,25 +227,17 @@ class ReplayBuffer:
         self._frame_dtype = np.dtype(frame_dtype)
         self._device, self._pin_memory = _resolve_placement(device, pin_memory)
 
-        frames_shape = (self._capacity, *self._frame_shape)
-        self._frames: np.ndarray | torch.Tensor
-        self._actions: np.ndarray | torch.Tensor
-        self._rewards: np.ndarray | torch.Tensor
-        self._terminals: np.ndarray | torch.Tensor
-        if self._device is None:
-            # np.zeros maps pages lazily, so a large buffer costs RAM only as it fills.
-            self._frames = np.zeros(frames_shape, dtype=self._frame_dtype)
-            self._actions = np.zeros((self._capacity, self._action_dim), dtype=np.float32)
-            self._rewards = np.zeros(self._capacity, dtype=np.float32)
-            self._terminals = np.zeros(self._capacity, dtype=bool)
-        else:
-            # Allocated (and zeroed) in full now: a device that cannot hold the ring fails at
-            # start-up, not hours into a run.
-            on = {"device": self._device}
-            self._frames = torch.zeros(frames_shape, dtype=_torch_dtype(self._frame_dtype), **on)
-            self._actions = torch.zeros((self._capacity, self._action_dim), dtype=torch.float32, **on)
-            self._rewards = torch.zeros(self._capacity, dtype=torch.float32, **on)
-            self._terminals = torch.zeros(self._capacity, dtype=torch.bool, **on)
+        if storage is None:
+            storage = _allocate((self._capacity,), self._frame_shape, self._frame_dtype, self._action_dim, self._device)
+        self._frames, self._actions, self._rewards, self._terminals = storage
+        expected = (
+            (self._capacity, *self._frame_shape),
+            (self._capacity, self._action_dim),
+            (self._capacity,),
+            (self._capacity,),
+        )
+        if tuple(tuple(array.shape) for array in storage) != expected:
+            raise ValueError(f"storage shapes {[tuple(a.shape) for a in storage]} do not match this ring's {expected}")
         # Host numpy in every placement: drawing indices and chaining stacks read it on the host,
         # so a device buffer draws the same indices as a host one and never waits for the device.
         self._firsts = np.zeros(self._capacity, dtype=bool)
@@ -272,7 +348,7 @@ class ReplayBuffer:
             self._frames[slot] = frame
         else:
             # The same cast as numpy's assignment above (e.g. float64 states to float32).
-            staged = self._host_tensor(np.asarray(frame, dtype=self._frame_dtype))
+            staged = _host_copy(np.asarray(frame, dtype=self._frame_dtype), self._device)
             self._frames[slot].copy_(staged, non_blocking=True)
         return slot
 
@@ -286,23 +362,10 @@ class ReplayBuffer:
         if action is None:
             self._actions[slot].zero_()
         else:
-            self._actions[slot].copy_(self._host_tensor(action), non_blocking=True)
+            self._actions[slot].copy_(_host_copy(action, self._device), non_blocking=True)
         # Python scalars travel as kernel arguments: no host->device copy, no synchronisation.
         self._rewards[slot].fill_(float(reward))
         self._terminals[slot].fill_(terminal)
-
-    def _host_tensor(self, array: np.ndarray) -> torch.Tensor:
-        """A private host copy of `array` that `copy_(..., non_blocking=True)` may read later.
-
-        For CUDA it is page-locked, so the copy neither waits for queued GPU work nor blocks the
-        host; torch's caching host allocator keeps the block until that copy has run, so the
-        caller may reuse `array` at once. Other devices copy synchronously anyway.
-        """
-        if self._device is not None and self._device.type == "cuda":
-            staged = torch.empty(array.shape, dtype=_torch_dtype(array.dtype), pin_memory=True)
-            staged.numpy()[...] = array
-            return staged
-        return torch.from_numpy(np.array(array, copy=True))  # writable and contiguous
 
     # ------------------------------------------------------------------ sampling
     def _sample_range(self) -> tuple[int, int]:
@@ -353,9 +416,8 @@ class ReplayBuffer:
                 f"one step (stored slots: {min(self._written, self._capacity)})"
             )
         slots = self._stack_slots(self._draw_indices(batch_size, rng))
-        if self._device is None:
-            return self._gather_on_host(slots)
-        return self._gather_on_device(slots)
+        storage = (self._frames, self._actions, self._rewards, self._terminals)
+        return _gather(storage, slots, self._frame_stack, self._device, self._pin_memory)
 
     def _stack_slots(self, indices: np.ndarray) -> np.ndarray:
         """Slots (B, k+1) of the frames i-k .. i of each sampled transition i, oldest first:
@@ -371,49 +433,6 @@ class ReplayBuffer:
             at_episode_start = self._firsts[previous % self._capacity]
             chain[:, back] = np.where(at_episode_start, previous, previous - 1)
         return np.ascontiguousarray((chain % self._capacity)[:, ::-1])
-
-    def _gather_on_host(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
-        """The batch as host tensors (page-locked with `pin_memory`), filled in place."""
-        batch_size, stack = slots.shape[0], self._frame_stack
-        flat_obs_shape = (batch_size, stack * self._frame_shape[0], *self._frame_shape[1:])
-        stacked_shape = (batch_size, stack, *self._frame_shape)
-        frame_dtype = _torch_dtype(self._frame_dtype)
-
-        def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, pin_memory=self._pin_memory)
-
-        obs, next_obs = empty(flat_obs_shape, frame_dtype), empty(flat_obs_shape, frame_dtype)
-        action = empty((batch_size, self._action_dim), torch.float32)
-        reward, not_terminal = empty((batch_size, 1), torch.float32), empty((batch_size, 1), torch.float32)
-        # np.take writes straight into the tensors' memory (no temporary batch); mode="clip"
-        # skips the buffered bounds check that "raise" needs with out=, and the slots are in
-        # range by construction.
-        take = {"axis": 0, "mode": "clip"}
-        np.take(self._frames, slots[:, :stack], out=obs.numpy().reshape(stacked_shape), **take)
-        np.take(self._frames, slots[:, 1:], out=next_obs.numpy().reshape(stacked_shape), **take)
-        sampled = slots[:, stack]
-        np.take(self._actions, sampled, out=action.numpy(), **take)
-        np.take(self._rewards, sampled, out=reward.numpy().reshape(batch_size), **take)
-        not_terminal.numpy()[:, 0] = ~self._terminals[sampled]
-        return {"obs": obs, "action": action, "reward": reward, "not_terminal": not_terminal, "next_obs": next_obs}
-
-    def _gather_on_device(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
-        """The batch gathered on the ring's device. The slot numbers are the only host->device
-        transfer (asynchronous from pinned memory on CUDA), and nothing here reads a device
-        value back, so the host never waits for the GPU."""
-        batch_size, stack = slots.shape[0], self._frame_stack
-        flat_obs_shape = (batch_size, stack * self._frame_shape[0], *self._frame_shape[1:])
-        index = self._host_tensor(slots).to(self._device, non_blocking=True)
-        sampled = index[:, stack]
-        # Two gathers rather than one of k+1 frames sliced twice: obs and next_obs come out
-        # contiguous and independent, as the host buffer returns them.
-        return {
-            "obs": self._frames[index[:, :stack]].reshape(flat_obs_shape),
-            "action": self._actions[sampled],
-            "reward": self._rewards[sampled].unsqueeze(1),
-            "not_terminal": (~self._terminals[sampled]).to(torch.float32).unsqueeze(1),
-            "next_obs": self._frames[index[:, 1:]].reshape(flat_obs_shape),
-        }
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
@@ -494,10 +513,15 @@ class ReplaySet:
     """One :class:`ReplayBuffer` per environment (``env.num_envs``), sampled as one.
 
     Each environment's frames must stay consecutive for stacks to be rebuilt, so each gets its
-    own ring of ``capacity // num_envs`` slots. A batch draws from the buffers in proportion to
-    the transitions they hold (one multinomial draw), then concatenates on the rings' device
-    (into page-locked memory with ``pin_memory``). ``device`` and ``pin_memory`` are passed to
-    every ring: see :class:`ReplayBuffer`.
+    own ring of ``capacity // num_envs`` slots: block ``e`` of one joint allocation per array
+    (frames, actions, rewards, terminals). A batch draws from the rings in proportion to the
+    transitions they hold (one multinomial draw); each ring then draws and chains its share of
+    the slots on the host, exactly as its own :meth:`ReplayBuffer.sample` would, and all the
+    slots, offset into the joint arrays, are gathered at once in ring order (on the rings'
+    device, or into page-locked host memory with ``pin_memory``). The values are those of
+    sampling each ring and concatenating, without a gather per ring and a copy of the whole
+    batch: the ops of one ring's batch whatever the number of rings (on a GPU, 7 kernels where
+    4 rings sampled one by one took 33). ``device`` and ``pin_memory``: see :class:`ReplayBuffer`.
     """
 
     def __init__(
@@ -511,18 +535,34 @@ class ReplaySet:
         device: torch.device | str | None = None,
         pin_memory: bool = False,
     ) -> None:
-        per_env = _positive("capacity", capacity) // _positive("num_envs", num_envs)
+        num_envs = _positive("num_envs", num_envs)
+        per_env = _positive("capacity", capacity) // num_envs
         if per_env <= frame_stack:
             raise ValueError(
                 f"replay capacity {capacity} is too small for {num_envs} envs "
                 f"(each needs more than {frame_stack} slots)"
             )
+        placement, _ = _resolve_placement(device, pin_memory)
+        shape = tuple(int(size) for size in frame_shape)
+        joint = _allocate(
+            (num_envs, per_env), shape, np.dtype(frame_dtype), _positive("action_dim", action_dim), placement
+        )
         self.buffers = [
             ReplayBuffer(
-                per_env, frame_shape, frame_dtype, frame_stack, action_dim, device=device, pin_memory=pin_memory
+                per_env,
+                frame_shape,
+                frame_dtype,
+                frame_stack,
+                action_dim,
+                device=device,
+                pin_memory=pin_memory,
+                storage=tuple(array[env] for array in joint),
             )
-            for _ in range(num_envs)
+            for env in range(num_envs)
         ]
+        # every ring's slots in one index space: ring e's slot j is joint slot e·per_env + j
+        self._joint = tuple(array.reshape(num_envs * per_env, *array.shape[2:]) for array in joint)
+        self._per_env = per_env
 
     @property
     def capacity(self) -> int:
@@ -559,15 +599,22 @@ class ReplaySet:
         self.buffers[env_index].add(action, reward, terminal, next_frame)
 
     def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        """`batch_size` transitions from all rings (class docstring); the returned tensors as
+        :meth:`ReplayBuffer.sample`'s."""
         if len(self.buffers) == 1:
             return self.buffers[0].sample(batch_size, rng)
+        batch_size = _positive("batch_size", batch_size)
         sizes = np.array([len(b) for b in self.buffers], dtype=np.float64)
         if sizes.sum() <= 0:
             raise ValueError("cannot sample from an empty replay buffer")
         counts = rng.multinomial(batch_size, sizes / sizes.sum())
-        parts = [b.sample(int(n), rng) for b, n in zip(self.buffers, counts) if n > 0]
-        pin = self.buffers[0].pin_memory
-        return {key: _concatenate([p[key] for p in parts], pin) for key in parts[0]}
+        slots = [
+            buffer._stack_slots(buffer._draw_indices(int(count), rng)) + env * self._per_env
+            for env, (buffer, count) in enumerate(zip(self.buffers, counts))
+            if count > 0
+        ]
+        first = self.buffers[0]
+        return _gather(self._joint, np.concatenate(slots), first.frame_stack, first.device, first.pin_memory)
 
     def state_dict(self) -> dict[str, Any]:
         return {"buffers": [b.state_dict() for b in self.buffers]}

@@ -123,6 +123,54 @@ def test_replay_set_of_device_rings_matches_host_set(num_envs):
     assert_same_batches(host, on_device, batch_size=50)
 
 
+def sample_each_ring(replay: ReplaySet, batch_size: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    """What a set of rings samples, written as its definition: the multinomial split over the
+    rings' sizes, each ring's own sample of its share in ring order, concatenated."""
+    sizes = np.array([len(b) for b in replay.buffers], dtype=np.float64)
+    counts = rng.multinomial(batch_size, sizes / sizes.sum())
+    parts = [b.sample(int(n), rng) for b, n in zip(replay.buffers, counts) if n > 0]
+    return {key: torch.cat([part[key] for part in parts]) for key in KEYS}
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("shape,dtype", [((3, 5, 5), np.uint8), ((4,), np.float32)])
+def test_replay_set_gathers_what_its_rings_sample_one_by_one(device, shape, dtype):
+    """One gather from the rings' joint storage gives each ring's own sample, concatenated in
+    ring order, for the same random stream (the rings wrap: 90 slots, 30 a ring, two rounds)."""
+    replay = ReplaySet(3, 90, shape, dtype, 3, ACTION_DIM, device=device)
+    fill([replay], shape, dtype, rounds=2, num_envs=3)
+    assert all(len(b) > 0 for b in replay.buffers)
+    for seed in range(6):
+        expected = sample_each_ring(replay, 40, np.random.default_rng(seed))
+        got = replay.sample(40, np.random.default_rng(seed))
+        assert tuple(got) == KEYS
+        for key in KEYS:
+            assert got[key].is_contiguous() and got[key].dtype == expected[key].dtype, key
+            assert torch.equal(got[key], expected[key]), f"{key} differs for seed {seed}"
+    shifted = sample_each_ring(replay, 40, np.random.default_rng(0))
+    replay.buffers[1]._rewards[:] += 1.0  # the rings' storage is the joint storage: the batch sees it
+    assert not torch.equal(replay.sample(40, np.random.default_rng(0))["reward"], shifted["reward"])
+    with pytest.raises(ValueError, match="batch_size"):
+        replay.sample(0, np.random.default_rng(0))
+
+
+def test_a_batch_of_many_rings_costs_the_ops_of_one():
+    """A device ring's batch is a few gathers (one upload of the slot numbers, the frames,
+    actions, rewards, terminals), whatever the number of rings: on a GPU each op a kernel. Per
+    ring and concatenated, four rings dispatched 70 ops and 33 kernels where one dispatched 15
+    and 7."""
+    from dispatch_count import DispatchCount
+
+    counts = {}
+    for num_envs in (1, 4):
+        replay = ReplaySet(num_envs, 120, (3, 5, 5), np.uint8, 3, ACTION_DIM, device="cpu")
+        fill([replay], (3, 5, 5), np.uint8, num_envs=num_envs)
+        with DispatchCount() as count:
+            replay.sample(32, np.random.default_rng(0))
+        counts[num_envs] = (count.total, count.kernels)
+    assert counts[4] == counts[1], counts
+
+
 def test_sizes_and_description_say_where_the_ring_lives():
     shape = (3, 84, 84)
     host = ReplaySet(2, 40, shape, np.uint8, 3, 6)
@@ -292,3 +340,25 @@ def test_pinned_host_batches(num_envs):
         batch = pinned.sample(32, np.random.default_rng(seed))
         for key in KEYS:
             assert batch[key].is_pinned() and torch.equal(batch[key], expected[key]), key
+
+
+def test_the_replay_timing_tool_checks_both_sample_the_same_batch(tmp_path, monkeypatch):
+    """tools/replay_timing.py (the measurement behind the joint rings) times a commit's replay
+    against this checkout's, and refuses to time two that sample different batches."""
+    from conftest import load_tool
+
+    tool = load_tool("replay_timing.py")
+    out = tmp_path / "timing"
+    argv = ["--baseline", "HEAD", "--envs", "1", "3", "--batches", "4", "--slots", "12", "--rounds", "1"]
+    assert tool.main([*argv, "--out", str(out)]) == 0
+    table = out.with_suffix(".md").read_text()
+    assert "| host | 1 | 4 |" in table and "| host | 3 | 4 |" in table
+
+    class Shifted(ReplaySet):
+        def sample(self, batch_size, rng):
+            batch = super().sample(batch_size, rng)
+            return {**batch, "reward": batch["reward"] + 1.0}
+
+    monkeypatch.setattr(tool, "baseline_module", lambda rev: SimpleNamespace(ReplaySet=Shifted))
+    with pytest.raises(SystemExit, match="sample different batches"):
+        tool.main(argv)
