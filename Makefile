@@ -1,5 +1,5 @@
-# On a fresh machine:  make demo  |  make test-fast  |  make test   (README.md, "Quickstart")
-# `make setup` (used by all three) is idempotent and fast once done.
+# On a fresh machine:  make demo  |  make test   (README.md, "Quickstart"); make test-fast: tests/README.md
+# `make setup` (used by each) is idempotent and fast once done.
 
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
