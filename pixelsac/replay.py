@@ -85,6 +85,13 @@ def _resolve_placement(device: torch.device | str | None, pin_memory: bool) -> t
     return device, bool(pin_memory)
 
 
+def _checked_frame_shape(frame_shape: tuple[int, ...]) -> tuple[int, ...]:
+    shape = tuple(int(size) for size in frame_shape)
+    if not shape or any(size <= 0 for size in shape):
+        raise ValueError(f"frame_shape needs positive sizes, got {frame_shape}")
+    return shape
+
+
 def _allocate(
     slots: tuple[int, ...],
     frame_shape: tuple[int, ...],
@@ -221,9 +228,7 @@ class ReplayBuffer:
                 f"capacity ({capacity}) must exceed frame_stack ({frame_stack}) to hold one "
                 "transition with its whole stack"
             )
-        self._frame_shape = tuple(int(size) for size in frame_shape)
-        if not self._frame_shape or any(size <= 0 for size in self._frame_shape):
-            raise ValueError(f"frame_shape needs positive sizes, got {frame_shape}")
+        self._frame_shape = _checked_frame_shape(frame_shape)
         self._frame_dtype = np.dtype(frame_dtype)
         self._device, self._pin_memory = _resolve_placement(device, pin_memory)
 
@@ -543,7 +548,7 @@ class ReplaySet:
                 f"(each needs more than {frame_stack} slots)"
             )
         placement, _ = _resolve_placement(device, pin_memory)
-        shape = tuple(int(size) for size in frame_shape)
+        shape = _checked_frame_shape(frame_shape)
         joint = _allocate(
             (num_envs, per_env), shape, np.dtype(frame_dtype), _positive("action_dim", action_dim), placement
         )

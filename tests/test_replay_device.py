@@ -154,6 +154,24 @@ def test_replay_set_gathers_what_its_rings_sample_one_by_one(device, shape, dtyp
         replay.sample(0, np.random.default_rng(0))
 
 
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0, 20, (2,), np.float32, 1, 1), "num_envs"),
+        ((2, 0, (2,), np.float32, 1, 1), "capacity"),
+        ((2, 6, (2,), np.float32, 3, 1), "too small"),
+        ((2, 20, (2,), np.float32, 0, 1), "frame_stack"),
+        ((2, 20, (2,), np.float32, 1, 0), "action_dim"),
+        ((2, 20, (-1, 2), np.float32, 1, 1), "frame_shape needs positive sizes"),
+        ((2, 20, (), np.float32, 1, 1), "frame_shape needs positive sizes"),
+    ],
+)
+def test_replay_set_constructor_errors(args, match):
+    """Checked before the joint storage is allocated: one line saying which argument."""
+    with pytest.raises(ValueError, match=match):
+        ReplaySet(*args)
+
+
 def test_a_batch_of_many_rings_costs_the_ops_of_one():
     """A device ring's batch is a few gathers (one upload of the slot numbers, the frames,
     actions, rewards, terminals), whatever the number of rings: on a GPU each op a kernel. Per
@@ -349,7 +367,7 @@ def test_the_replay_timing_tool_checks_both_sample_the_same_batch(tmp_path, monk
 
     tool = load_tool("replay_timing.py")
     out = tmp_path / "timing"
-    argv = ["--baseline", "HEAD", "--envs", "1", "3", "--batches", "4", "--slots", "12", "--rounds", "1"]
+    argv = ["--baseline", "HEAD", "--envs", "1", "3", "--batches", "4", "--total-slots", "24", "--rounds", "1"]
     assert tool.main([*argv, "--out", str(out)]) == 0
     table = out.with_suffix(".md").read_text()
     assert "| host | 1 | 4 |" in table and "| host | 3 | 4 |" in table

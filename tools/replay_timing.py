@@ -1,14 +1,14 @@
 """Sampling a batch from the replay rings of several environments, timed side by side in one
 process: this checkout's ``pixelsac/replay.py`` against another commit's (``--baseline``).
 
-Both ``ReplaySet``s get the same history (``--envs`` rings of 84×84 RGB frames, stacks of 3, 6-D
-actions, episodes of 125 agent steps); a batch of each is checked equal first (the same random
-stream). Rounds alternate which goes first; the table gives the median time of one
-``sample()`` and the ratio. Placements: host memory (numpy rings, a CPU run's default); with
-CUDA also page-locked host batches and rings on the GPU (``replay.device``; timed to the end of
-the gather with ``torch.cuda.synchronize``).
+Both ``ReplaySet``s get the same history (``--envs`` rings of ``--slots`` 84×84 RGB frames each,
+or ``--total-slots`` over all of them; stacks of 3, 6-D actions, episodes of 125 agent steps); a
+batch of each is checked equal first (the same random stream). Rounds alternate which goes first;
+the table gives the median time of one ``sample()`` and the ratio. Placements: host memory (numpy
+rings, a CPU run's default); with CUDA also page-locked host batches and rings on the GPU
+(``replay.device``; timed to the end of the gather with ``torch.cuda.synchronize``).
 
-    python tools/replay_timing.py --baseline 21c7915 --out docs/results/replay_rings/sample_cpu
+    python tools/replay_timing.py --baseline 21c7915 --total-slots 8000 --out docs/results/replay_rings/sample_cpu
 
 Prints a markdown table (and writes ``OUT.md`` / ``OUT.json``). Measure with nothing else on
 the cores.
@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--envs", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--slots", type=int, default=1000, help="slots a ring")
+    parser.add_argument(
+        "--total-slots", type=int, help="slots over all rings instead (every row then holds the same frames)"
+    )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path)
@@ -94,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, placement in placements.items():
         cuda = placement.get("device") == "cuda"
         for envs in args.envs:
-            replays = {"baseline": filled(baseline, envs, args.slots, placement)}
-            replays["current"] = filled(current, envs, args.slots, placement)
+            slots = args.slots if args.total_slots is None else args.total_slots // envs
+            replays = {"baseline": filled(baseline, envs, slots, placement)}
+            replays["current"] = filled(current, envs, slots, placement)
             for batch in args.batches:
                 first = [replays[which].sample(batch, np.random.default_rng(1)) for which in ("baseline", "current")]
                 if not all(torch.equal(first[0][key].cpu(), first[1][key].cpu()) for key in first[0]):
@@ -114,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
-        meta = {"threads": args.threads, "rounds": args.rounds, "slots": args.slots, "rows": rows}
+        meta = {"threads": args.threads, "rounds": args.rounds, "slots": args.slots, "total_slots": args.total_slots}
+        meta["rows"] = rows
         write_table_files(args.out, "replay_timing.py", argv, table, meta)
     return 0
 
