@@ -17,9 +17,10 @@ normal range (|x| < 6.1e-5) fp16 keeps fewer bits than this leaves, and the fina
 rounds to nearest there.
 
 The random integers come from a counter-based hash of ``(key, element index)`` (Wellons'
-"lowbias32", two xorshift-multiply rounds in int32 arithmetic, which wraps identically on every
-device), not from a generator: the same key gives the same bits on any device, inside a CUDA
-graph (the key may be a device tensor) and after a resume, with no generator state to save.
+"lowbias32", itself two xorshift-multiply rounds, applied twice to ``index·C + key``, in int32
+arithmetic, which wraps identically on every device), not from a generator: the same key gives
+the same bits on any device, inside a CUDA graph (the key may be a device tensor) and after a
+resume, with no generator state to save.
 """
 
 from __future__ import annotations
