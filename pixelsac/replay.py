@@ -420,9 +420,12 @@ class ReplayBuffer:
                 "cannot sample from an empty replay buffer: add an episode start and at least "
                 f"one step (stored slots: {min(self._written, self._capacity)})"
             )
-        slots = self._stack_slots(self._draw_indices(batch_size, rng))
         storage = (self._frames, self._actions, self._rewards, self._terminals)
-        return _gather(storage, slots, self._frame_stack, self._device, self._pin_memory)
+        return _gather(storage, self._sample_slots(batch_size, rng), self._frame_stack, self._device, self._pin_memory)
+
+    def _sample_slots(self, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+        """The stacked slots (B, k+1) of `batch_size` uniformly drawn transitions."""
+        return self._stack_slots(self._draw_indices(batch_size, rng))
 
     def _stack_slots(self, indices: np.ndarray) -> np.ndarray:
         """Slots (B, k+1) of the frames i-k .. i of each sampled transition i, oldest first:
@@ -568,7 +571,6 @@ class ReplaySet:
         ]
         # every ring's slots in one index space: ring e's slot j is joint slot e·per_env + j
         self._joint = tuple(array.reshape(num_envs * per_env, *array.shape[2:]) for array in joint)
-        self._per_env = per_env
 
     @property
     def capacity(self) -> int:
@@ -615,7 +617,7 @@ class ReplaySet:
             raise ValueError("cannot sample from an empty replay buffer")
         counts = rng.multinomial(batch_size, sizes / sizes.sum())
         slots = [
-            buffer._stack_slots(buffer._draw_indices(int(count), rng)) + env * self._per_env
+            buffer._sample_slots(int(count), rng) + env * buffer.capacity
             for env, (buffer, count) in enumerate(zip(self.buffers, counts))
             if count > 0
         ]
