@@ -79,3 +79,55 @@ def test_judge_pixels_as_run_reaches_the_judge(tiny_fp16_run: TrainedRun, tmp_pa
     error = {(r["variant"], r["group"]): r["relative_error"] for r in rows}
     assert error["fp32", "critic.trunk"] > 1e-5, error["fp32", "critic.trunk"]
     assert error["as trained", "critic.trunk"] < 0.1, error["as trained", "critic.trunk"]
+
+
+@pytest.mark.slow
+def test_loss_scale_sweep_shows_underflow_overflow_and_the_runs_own_scales(tiny_fp16_run: TrainedRun, tmp_path):
+    """``--loss-scale`` as a sweep against one judge: at 1e-6 the fp16 gradients underflow (far
+    from float64, where the largest finite scale is within fp16's arithmetic), at 1e30 every batch
+    overflows and is counted out, and ``run`` uses the checkpoint's own scales."""
+    import torch
+
+    tool = load_tool("grad_fidelity.py")
+    out = tmp_path / "sweep"
+    code = tool.main(
+        [str(tiny_fp16_run.run_dir), "--batches", "2", "--loss-scale", "largest", "--loss-scale", "run",
+         "--loss-scale", "1e-6", "--loss-scale", "1e30", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    saved = tool.run_scales(torch.load(tiny_fp16_run.run_dir / "checkpoints" / "last.ckpt", weights_only=False))
+    assert set(saved) == {"critic", "actor", "alpha"} and all(s > 1 for s in saved.values())
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    error = {(r["variant"], r["group"]): (r["relative_error"], r["batches"]) for r in rows}
+    run_label = "as trained, S=run's (" + "/".join(f"{saved[n]:g}" for n in ("critic", "actor", "alpha")) + ")"
+    for group in ("critic.trunk", "critic.q1", "actor.policy"):
+        largest, batches = error["as trained, S=largest finite", group]
+        assert batches == 2 and largest < 0.1, (group, largest)
+        assert error[run_label, group][0] < 0.1, (group, error[run_label, group])
+        tiny, batches = error["as trained, S=1e-06", group]
+        assert batches == 2 and tiny > 5 * largest, (group, tiny, largest)
+        assert error["as trained, S=1e+30", group][1] == 0  # every batch overflowed: a skipped step
+    assert "The run's loss scales: critic" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("spec", ["zero", "0", "-4", "inf", "nan"])
+def test_a_bad_loss_scale_is_one_line_and_exit_code_2(spec, capsys):
+    tool = load_tool("grad_fidelity.py")
+    with pytest.raises(SystemExit) as stopped:
+        tool.main(["unused_run_dir", "--loss-scale", spec])
+    assert stopped.value.code == 2
+    assert f"--loss-scale takes largest, run or a positive number, not '{spec}'" in capsys.readouterr().err
+
+
+def test_a_recorded_command_quotes_a_variant_with_spaces(tmp_path):
+    """The command a results file records runs as written: a variant's overrides (with spaces)
+    stay one argument."""
+    import shlex
+
+    load_tool("grad_fidelity.py")  # puts tools/ on the path
+    from table_files import write_table_files
+
+    argv = ["RUN", "--variant", "both=lowp.fp32_actor_loss=true lowp.fp32_actor_features=true", "--out", "x"]
+    command = write_table_files(tmp_path / "t", "grad_fidelity.py", argv, "| table |\n", {})
+    assert shlex.split(command)[2:] == argv
+    assert json.loads((tmp_path / "t.json").read_text())["command"] == command

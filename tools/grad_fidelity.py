@@ -5,11 +5,21 @@ each batch, computes the critic loss and the actor and temperature losses with t
 twice from the same weights, augmentation shifts and policy noise: once as the run computes them
 (its dtype, its precision policy) and once in float64 (the weights upcast exactly, the noise
 unrounded). Per group of weights it reports the cosine between the two gradients and the
-relative error ``‖g - g64‖ / ‖g64‖``, averaged over the batches; the actor's output layer is
+relative error ``‖g - g64‖ / ‖g64‖``, averaged over the batches (and the relative error's median
+and largest over them: the actor's gradient is a near-cancelling difference, and on a batch where
+it nearly cancels, its relative error can be ten times the median); the actor's output layer is
 split into its mean (μ) rows and its log σ rows. ``--variant`` recomputes the low-precision side
 with extra overrides (e.g. ``lowp.fp32_accumulate=false``), from the same weights.
 
     python tools/grad_fidelity.py RUN_DIR --batches 8
+
+``--loss-scale``: the scale each loss's backward runs at. ``largest`` (the default) starts at
+2^15 and halves until the batch's gradients are finite, so the comparison measures fp16's
+arithmetic, not gradients lost to underflow; ``run`` takes each loss's scale from the
+checkpoint's scalers (the scale the run's next step would use); a number fixes it for every
+loss. Repeatable: each scale is a contender of its own, so one float64 judge serves a sweep. At a
+fixed scale a batch whose gradients overflow is one the run would skip; it is left out of that
+row's means and counted in its ``batches`` column.
 
 ``--judge-pixels as-run``: the judge reads the pixel values the run reads (``float(k) / 255``
 rounded to its dtype, widened exactly) instead of exact ones, so that the comparison measures the
@@ -36,7 +46,7 @@ from omegaconf import OmegaConf
 
 from pixelsac import checkpoint as ckpt_io
 from pixelsac.config import from_plain, parse_overrides, to_plain
-from pixelsac.module import SACModule
+from pixelsac.module import LOSSES, SACModule
 from pixelsac.replay import ReplaySet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,27 +91,36 @@ def shared_noise(seed: int):
         torch.randn = original
 
 
-def _scaled_backward(loss: torch.Tensor, params: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """Gradients of ``loss`` by backward of ``scale·loss``, unscaled in float64; the scale halves
-    until every gradient is finite (a dynamic loss scaler's choice for this one batch). A power of
-    two, so scaling and unscaling add no rounding of their own."""
+def _scaled_backward(
+    loss: torch.Tensor, params: dict[str, torch.Tensor], scale: float, search: bool
+) -> dict[str, torch.Tensor]:
+    """Gradients of ``loss`` by backward of ``scale·loss``, unscaled in float64. With ``search`` the
+    scale halves until every gradient is finite (a dynamic loss scaler's choice for this one
+    batch: a power of two, so scaling and unscaling add no rounding of their own); without it the
+    gradients are returned as they come, overflow included."""
     while True:
         for p in params.values():
             p.grad = None
         (loss * scale).backward(retain_graph=True)
         grads = {n: p.grad.detach().double() / scale for n, p in params.items()}
-        if scale <= 1.0 or all(bool(torch.isfinite(g).all()) for g in grads.values()):
+        if not search or scale <= 1.0 or all(bool(torch.isfinite(g).all()) for g in grads.values()):
             return grads
         scale /= 2
 
 
-def gradients(module: SACModule, batch: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Gradients of the critic loss (critic weights) and of the actor and temperature losses.
+def gradients(
+    module: SACModule, batch: dict[str, torch.Tensor], seed: int, scales: dict[str, float] | None = None
+) -> dict[str, torch.Tensor]:
+    """Gradients of the critic loss (critic weights), the actor loss (actor weights) and the
+    temperature loss (log α).
 
-    With fp16's loss scaling the losses are scaled as a run scales them (from 2^15 down until
-    finite), so the comparison measures fp16's arithmetic, not gradients lost to underflow."""
+    ``scales`` (per loss: ``critic``, ``actor``, ``alpha``) fixes the scale each backward runs at;
+    without it, with fp16's loss scaling, each loss is scaled from 2^15 down until its gradients
+    are finite (see ``--loss-scale``), and without loss scaling at 1."""
     policy, agent = module.precision_policy, module.cfg.agent
-    start_scale = 2.0**15 if policy.loss_scaling else 1.0
+    search = scales is None
+    if scales is None:
+        scales = dict.fromkeys(LOSSES, 2.0**15 if policy.loss_scaling else 1.0)
     module.zero_grad(set_to_none=True)
     torch.manual_seed(seed)  # the augmentation's shifts (integers: the same in every dtype)
     with shared_noise(seed):
@@ -111,14 +130,33 @@ def gradients(module: SACModule, batch: dict[str, torch.Tensor], seed: int) -> d
         with policy.compute_context():
             critic_loss, _ = module.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
         critic_params = {f"critic.{n}": p for n, p in module.critic.named_parameters()}
-        grads = _scaled_backward(critic_loss, critic_params, start_scale)
+        grads = _scaled_backward(critic_loss, critic_params, scales["critic"], search)
         with policy.compute_context():
             actor_loss, alpha_loss, _ = module.actor_and_alpha_loss(obs_aug[: action.shape[0]])
         actor_params = {f"actor.{n}": p for n, p in module.actor.named_parameters()}
-        actor_params["log_alpha"] = module.log_alpha
-        grads.update(_scaled_backward(actor_loss + alpha_loss, actor_params, start_scale))
+        grads.update(_scaled_backward(actor_loss, actor_params, scales["actor"], search))
+        grads.update(_scaled_backward(alpha_loss, {"log_alpha": module.log_alpha}, scales["alpha"], search))
     grads["log_alpha"] = grads["log_alpha"].reshape(1)
     return grads
+
+
+def run_scales(checkpoint: dict[str, Any]) -> dict[str, float]:
+    """Each loss's scale as the checkpoint's scalers hold it (1.0 for a loss without one)."""
+    saved = checkpoint.get("pixelsac", {}).get("scalers", {})
+    return {name: float(saved[name]["scale"]) if name in saved else 1.0 for name in LOSSES}
+
+
+def parse_loss_scale(spec: str) -> str | float:
+    """``largest``, ``run`` or a positive number."""
+    if spec in ("largest", "run"):
+        return spec
+    try:
+        value = float(spec)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--loss-scale takes largest, run or a positive number, not {spec!r}")
+    return value
 
 
 def transplant(variant: SACModule, judge: SACModule) -> None:
@@ -172,6 +210,12 @@ def grouped(grads: dict[str, torch.Tensor], module: SACModule) -> dict[str, torc
     return {k: torch.cat([t.reshape(-1) for t in v]) for k, v in groups.items()}
 
 
+def _scale_label(spec: str | float, saved: dict[str, float]) -> str:
+    if spec == "run":
+        return "run's (" + "/".join(f"{saved[name]:g}" for name in LOSSES) + ")"
+    return "largest finite" if spec == "largest" else f"{spec:g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
@@ -184,8 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         default="exact",
         help="the float64 judge reads exact pixel values (k/255) or those the run's dtype holds",
     )
+    parser.add_argument(
+        "--loss-scale",
+        action="append",
+        type=parse_loss_scale,
+        default=None,
+        help="largest (default: from 2^15 down until finite), run (the checkpoint's scalers) or a number; repeatable",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args(argv)
+    loss_scales = args.loss_scale or ["largest"]
     torch.set_num_threads(1)
     module, replay, checkpoint = load_run(args.run_dir)
     module.augment.backend = "index"
@@ -207,24 +259,40 @@ def main(argv: list[str] | None = None) -> int:
             transplant(variant, judge)
         variant.augment.backend = "index"
         contenders[name] = variant
+    saved_scales = run_scales(checkpoint)
+    runs: dict[str, tuple[SACModule, dict[str, float] | None]] = {}
+    for name, contender in contenders.items():
+        if not contender.precision_policy.loss_scaling:  # runs at 1, whatever is asked
+            runs[name] = (contender, None)
+            continue
+        for spec in loss_scales:
+            scales = None if spec == "largest" else saved_scales if spec == "run" else dict.fromkeys(LOSSES, spec)
+            label = name if len(loss_scales) == 1 else f"{name}, S={_scale_label(spec, saved_scales)}"
+            runs[label] = (contender, scales)
     rng = np.random.default_rng(args.seed)
-    sums: dict[str, dict[str, list[float]]] = {name: {} for name in contenders}
+    sums: dict[str, dict[str, list[tuple[float, float]]]] = {name: {} for name in runs}
     for b in range(args.batches):
         batch = replay.sample(module.cfg.agent.batch_size, rng)
         reference = grouped(gradients(judge, batch, seed=b), judge)
-        for name, contender in contenders.items():
-            mine = grouped(gradients(contender, batch, seed=b), contender)
+        for name, (contender, scales) in runs.items():
+            mine = grouped(gradients(contender, batch, seed=b, scales=scales), contender)
             for group, g64 in reference.items():
                 g = mine[group]
+                values = sums[name].setdefault(group, [])
+                if not bool(torch.isfinite(g).all()):
+                    continue  # overflowed at this fixed scale: a step the run would skip
                 cosine = float(torch.nn.functional.cosine_similarity(g, g64, dim=0))
                 rel = float((g - g64).norm() / g64.norm().clamp_min(1e-300))
-                sums[name].setdefault(group, []).append((cosine, rel))
+                values.append((cosine, rel))
     rows = [
         {
             "variant": name,
             "group": group,
-            "cosine": float(np.mean([c for c, _ in values])),
-            "relative_error": float(np.mean([r for _, r in values])),
+            "cosine": float(np.mean([c for c, _ in values])) if values else float("nan"),
+            "relative_error": float(np.mean([r for _, r in values])) if values else float("nan"),
+            "relative_error_median": float(np.median([r for _, r in values])) if values else float("nan"),
+            "relative_error_max": float(np.max([r for _, r in values])) if values else float("nan"),
+            "batches": len(values),
         }
         for name, groups in sums.items()
         for group, values in groups.items()
@@ -235,9 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.batches} replay batches; gradients against float64 from the same weights, shifts and noise"
         + (", reading the run's pixel values." if args.judge_pixels == "as-run" else "."),
         "",
-        "| variant | group | cosine | ‖g − g64‖ / ‖g64‖ |",
-        "|---|---|---|---|",
-    ] + [f"| {r['variant']} | {r['group']} | {r['cosine']:.5f} | {r['relative_error']:.4f} |" for r in rows]
+        "| variant | group | cosine | ‖g − g64‖ / ‖g64‖ | median | max | batches |",
+        "|---|---|---|---|---|---|---|",
+    ] + [
+        f"| {r['variant']} | {r['group']} | {r['cosine']:.5f} | {r['relative_error']:.4f} "
+        f"| {r['relative_error_median']:.4f} | {r['relative_error_max']:.4f} | {r['batches']} |"
+        for r in rows
+    ]
+    if saved_scales and any(spec == "run" for spec in loss_scales):
+        lines += ["", "The run's loss scales: " + ", ".join(f"{k} {v:g}" for k, v in saved_scales.items()) + "."]
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

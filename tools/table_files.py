@@ -4,6 +4,7 @@ then its markdown table) and ``OUT.json`` (the command and the tool's data)."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ from typing import Any
 def write_table_files(out: Path, tool: str, argv: list[str] | None, table: str, data: dict[str, Any]) -> str:
     """Write ``out.md`` and ``out.json`` for ``tools/<tool>`` run with ``argv`` (None: this
     process's arguments); returns the command line recorded in both."""
-    command = f"python tools/{tool} " + " ".join(argv if argv is not None else sys.argv[1:])
+    # quoted where an argument needs it (a variant's overrides, with spaces), so the line runs as written
+    command = f"python tools/{tool} " + shlex.join(argv if argv is not None else sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(f"Command: `{command}`\n\n{table}")
     out.with_suffix(".json").write_text(json.dumps({"command": command, **data}, indent=2) + "\n")
