@@ -297,6 +297,12 @@ def test_modes_and_commands(tmp_path):
         and "bf16" not in every
     )
     assert experiment.MODES["fp16-no-hadam"] == ["precision=fp16", "lowp.hadam=false"]
+    from pixelsac.config import load_config
+    from pixelsac.precision import PrecisionPolicy
+
+    fp32_actor_loss = PrecisionPolicy.from_config(load_config(experiment.MODES["fp16-fp32_actor_loss"]), "cpu")
+    assert fp32_actor_loss.mode == "fp16" and fp32_actor_loss.loss_scaling and fp32_actor_loss.fp32_actor_loss
+    assert not PrecisionPolicy.from_config(load_config(experiment.MODES["fp16"]), "cpu").fp32_actor_loss
     specs = experiment.build_grid(
         ["cartpole_swingup"], ["fp16-naive"], [4], "state", ["preset=state", "train.env_frames=3000"], tmp_path
     )

@@ -89,6 +89,8 @@ MODES: dict[str, list[str]] = {
     ],
     "bf16-no-fp32_actor_loss": ["precision=bf16", "lowp.fp32_actor_loss=false"],
     "bf16-no-fp32_actor_features": ["precision=bf16", "lowp.fp32_actor_features=false"],
+    # fp16 with bf16's actor-loss arithmetic: its actor gradient's tail against float64 (grad_fidelity)
+    "fp16-fp32_actor_loss": ["precision=fp16", "lowp.fp32_actor_loss=true"],
     **{f"fp16-no-{s}": ["precision=fp16", f"lowp.{s}=false"] for s in SWITCHES},
 }
 MAIN = ["fp32", "fp16", "fp16-naive"]
