@@ -7,7 +7,7 @@ twice from the same weights, augmentation shifts and policy noise: once as the r
 unrounded). Per group of weights it reports the cosine between the two gradients and the
 relative error ``‖g - g64‖ / ‖g64‖``, averaged over the batches (and the relative error's median
 and largest over them: the actor's gradient is a near-cancelling difference, and on a batch where
-it nearly cancels, its relative error can be ten times the median); the actor's output layer is
+it nearly cancels, its relative error can be tens of times the median); the actor's output layer is
 split into its mean (μ) rows and its log σ rows. ``--variant`` recomputes the low-precision side
 with extra overrides (e.g. ``lowp.fp32_accumulate=false``), from the same weights.
 
