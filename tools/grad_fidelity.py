@@ -46,6 +46,7 @@ from omegaconf import OmegaConf
 
 from pixelsac import checkpoint as ckpt_io
 from pixelsac.config import from_plain, parse_overrides, to_plain
+from pixelsac.lowp import all_finite
 from pixelsac.module import LOSSES, SACModule
 from pixelsac.replay import ReplaySet
 
@@ -103,7 +104,7 @@ def _scaled_backward(
             p.grad = None
         (loss * scale).backward(retain_graph=True)
         grads = {n: p.grad.detach().double() / scale for n, p in params.items()}
-        if not search or scale <= 1.0 or all(bool(torch.isfinite(g).all()) for g in grads.values()):
+        if not search or scale <= 1.0 or all(bool(all_finite(g)) for g in grads.values()):
             return grads
         scale /= 2
 
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             for group, g64 in reference.items():
                 g = mine[group]
                 values = sums[name].setdefault(group, [])
-                if not bool(torch.isfinite(g).all()):
+                if not bool(all_finite(g)):
                     continue  # overflowed at this fixed scale: a step the run would skip
                 cosine = float(torch.nn.functional.cosine_similarity(g, g64, dim=0))
                 rel = float((g - g64).norm() / g64.norm().clamp_min(1e-300))
