@@ -32,6 +32,7 @@ def test_an_fp32_run_is_float64_adam_to_fp32_rounding(tiny_fp32_run: TrainedRun,
             assert row[key] < 1e-5, (name, key, row[key])
         assert row["path error"] < 1e-4, (name, row["path error"])  # log α: fp32 ulps of -2.3 over 15 steps
         assert abs(row["root ratio"] - 1) < 1e-6 and abs(row["step ratio"] - 1) < 1e-5
+        assert row["m frozen"] == 0  # fp32's decay is never below half an ulp (short of fp32's subnormals)
     assert final["as trained", "target critic"]["path error"] < 1e-4  # measured 1.2e-5: fp32 rounding of θ̄
 
 
@@ -93,3 +94,21 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, run16, tmp_path, capsys):
     assert load_tool("step_fidelity.py").main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and says in err[0], err
+
+
+def test_a_first_moment_of_a_few_subnormal_ulps_is_frozen():
+    """fp16 m of 1 and 4 subnormal ulps rounds back to itself after ×0.9 (the decay is below half
+    an ulp); 5 ulps decays (4.5 rounds to even, 4), a normal m decays, a zero m is not counted."""
+    from pixelsac.lowp import HAdam
+
+    tool = load_tool("step_fidelity.py")
+    weight = torch.nn.Parameter(torch.zeros(5, dtype=torch.float16))
+    optimizer = HAdam([weight], lr=1e-3, unbiased_moments=True)
+    ulp = 2.0**-24
+    optimizer.state[weight].update(
+        step=1,
+        exp_avg=torch.tensor([ulp, 4 * ulp, 5 * ulp, 2.0**-14, 0.0], dtype=torch.float16),
+        exp_avg_root=torch.ones(5, dtype=torch.float16),
+    )
+    judge = tool.AdamJudge([weight], optimizer, lambda: 1.0)
+    assert judge.frozen_first_moment() == 2 / 5

@@ -30,7 +30,8 @@ trial. Per optimizer (critic, actor, temperature) it reports:
   Adam: ``sqrt(exp_avg_sq / v64)``) as its median over the elements, also within the smallest
   tenth, the middle and the largest tenth of the elements by ``sqrt(v64)`` -- where a gradient
   element is small, a 16-bit moment in ×S units sits near the subnormals -- and the share of
-  elements whose ``m`` or ``s`` is exactly 0 while float64's is not;
+  elements whose ``m`` or ``s`` is exactly 0 while float64's is not, and ``m frozen``: the share
+  whose 16-bit ``m`` is too small to decay at all (``RN(β1·m) = m``, a few subnormal ulps);
 - the last step's ratio ‖u‖ / ‖Δθ64‖ within those tenths;
 - for the target: ‖θ̄ - θ̄64‖ / ‖θ̄64 - θ̄0‖ (0: the target moved exactly as a float64 EMA of the
   same weights would).
@@ -82,8 +83,15 @@ class AdamJudge:
 
     ``scale_of()`` gives the loss's current scale S (1.0 without compound scaling)."""
 
-    def __init__(self, params: list[torch.Tensor], raw: torch.optim.Optimizer, scale_of: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        raw: torch.optim.Optimizer,
+        scale_of: Callable[[], float],
+        names: list[str] | None = None,
+    ) -> None:
         self.params, self.raw, self.scale_of = params, raw, scale_of
+        self.names = names or [f"param {i}" for i in range(len(params))]
         group = raw.param_groups[0]
         self.beta1, self.beta2 = group["betas"]
         self.lr = float(group["lr"])
@@ -175,6 +183,31 @@ class AdamJudge:
         denom = (exp_avg_sq / (1 - self.beta2**steps)).sqrt_().add_(eps)
         return -self.lr / (1 - self.beta1**steps) * exp_avg / denom
 
+    def error_by_tensor(self) -> dict[str, float]:
+        """Each tensor's ‖u - Δθ64‖ on the last step, as a share of float64's whole step."""
+        run, judged = self.last["run_step"], self.last["judge_step"]
+        whole = float(judged.norm())
+        shares, start = {}, 0
+        for name, p in zip(self.names, self.params, strict=True):
+            part = slice(start, start + p.numel())
+            start += p.numel()
+            shares[name] = float((run[part] - judged[part]).norm()) / whole if whole > 0 else math.nan
+        return shares
+
+    def frozen_first_moment(self) -> float:
+        """The share of elements whose stored ``m`` is not 0 and rounds back to itself after a
+        step with a zero gradient (``RN(β1·m) = m``): in the subnormals, where a decay of 1-β1 is
+        below half an ulp, such an ``m`` stays put until a gradient moves it, while float64's
+        decays to 0."""
+        frozen = total = 0
+        for p in self.params:
+            exp_avg = self.raw.state.get(p, {}).get("exp_avg")
+            total += p.numel()
+            if exp_avg is not None:
+                decayed = (exp_avg.float() * self.beta1).to(exp_avg.dtype)
+                frozen += int(((exp_avg != 0) & (decayed == exp_avg)).sum())
+        return frozen / max(total, 1)
+
     # --- what the report reads ------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         scale = self.scale_of()
@@ -195,6 +228,7 @@ class AdamJudge:
         row["root ratio"] = float(ratio.median()) if ratio.numel() else math.nan
         row["m lost"] = float(((run_first == 0) & (self.exp_avg != 0)).double().mean())
         row["s lost"] = float(((run_second == 0) & live).double().mean())
+        row["m frozen"] = self.frozen_first_moment()
         if ratio.numel() >= 10:
             roots = judge_root[live]
             low, high = np.quantile(roots.numpy(), [0.1, 0.9])
@@ -204,13 +238,19 @@ class AdamJudge:
                 "largest tenth": roots >= high,
             }
             steps = {k: v[live] for k, v in self.last.items()}
+            whole = float(steps["judge_step"].norm()) if steps else 0.0
             for name, chosen in bins.items():
                 row[f"root ratio, {name}"] = float(ratio[chosen].median()) if chosen.any() else math.nan
                 if steps:
-                    judged = float(steps["judge_step"][chosen].norm())
-                    row[f"last step ratio, {name}"] = (
-                        float(steps["run_step"][chosen].norm()) / judged if judged > 0 else math.nan
-                    )
+                    run, judged = steps["run_step"][chosen], steps["judge_step"][chosen]
+                    norm = float(judged.norm())
+                    row[f"last step ratio, {name}"] = float(run.norm()) / norm if norm > 0 else math.nan
+                    # how much of float64's step, and of the step error, lies in this tenth
+                    row[f"last step share, {name}"] = norm / whole if whole > 0 else math.nan
+                    missed = float((run - judged).norm())
+                    row[f"last step error share, {name}"] = missed / whole if whole > 0 else math.nan
+        if self.last:
+            row["last step error by tensor"] = self.error_by_tensor()
         return row
 
 
@@ -316,7 +356,8 @@ class Contender:
         for name, optimizer in zip(LOSSES, inner.optimizers(), strict=True):
             raw = getattr(optimizer, "optimizer", optimizer)
             params = [p for group in raw.param_groups for p in group["params"]]
-            judge = AdamJudge(params, raw, self._scale_of(name))
+            names = {id(p): n for n, p in inner.named_parameters()}
+            judge = AdamJudge(params, raw, self._scale_of(name), [names.get(id(p), "?") for p in params])
             raw.register_step_pre_hook(judge.before_step)
             raw.register_step_post_hook(judge.after_step)
             self.judges[name] = judge
@@ -353,24 +394,42 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         "",
         "| variant | optimizer | steps taken | step error | step ratio | path error | m error | root ratio "
         "| root ratio: smallest / middle / largest tenth | last step ratio: smallest / middle / largest tenth "
-        "| m lost | s lost | loss scale |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| m lost | s lost | m frozen | loss scale |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in final:
         if r["optimizer"] == "target critic":
             lines.append(
-                f"| {r['variant']} | target critic | {r['target updates']} | | | {_cell(r['path error'])} "
-                "| | | | | | | |"
+                f"| {r['variant']} | target critic | {r['target updates']} | | | {_cell(r['path error'], '.3g')} "
+                "| | | | | | | | |"
             )
             continue
         tenths = " / ".join(_cell(r.get(f"root ratio, {t}"), ".3f") for t in TENTHS)
         steps = " / ".join(_cell(r.get(f"last step ratio, {t}"), ".3f") for t in TENTHS)
         lines.append(
-            f"| {r['variant']} | {r['optimizer']} | {r['steps taken']} | {_cell(r['step error'])} "
-            f"| {_cell(r['step ratio'])} | {_cell(r['path error'])} | {_cell(r['first moment error'])} "
+            f"| {r['variant']} | {r['optimizer']} | {r['steps taken']} | {_cell(r['step error'], '.3g')} "
+            f"| {_cell(r['step ratio'])} | {_cell(r['path error'], '.3g')} | {_cell(r['first moment error'], '.3g')} "
             f"| {_cell(r['root ratio'])} | {tenths} | {steps} | {_cell(r['m lost'], '.2e')} "
-            f"| {_cell(r['s lost'], '.2e')} | {r['loss scale']:g} |"
+            f"| {_cell(r['s lost'], '.2e')} | {_cell(r.get('m frozen'), '.2e')} | {r['loss scale']:g} |"
         )
+    located = [r for r in final if "last step error by tensor" in r]
+    if located:
+        lines += [
+            "",
+            "Where the last step's error lies, as shares of float64's whole step ‖Δθ64‖: float64's step and the "
+            "error ‖u − Δθ64‖ within each tenth of the elements by float64's sqrt(v), and the tensors with the "
+            "largest error:",
+            "",
+            "| variant | optimizer | float64's step: smallest / middle / largest tenth "
+            "| error: smallest / middle / largest tenth | largest errors by tensor |",
+            "|---|---|---|---|---|",
+        ]
+        for r in located:
+            share = " / ".join(_cell(r.get(f"last step share, {t}"), ".3g") for t in TENTHS)
+            error = " / ".join(_cell(r.get(f"last step error share, {t}"), ".3g") for t in TENTHS)
+            ranked = sorted(r["last step error by tensor"].items(), key=lambda kv: -kv[1])[:3]
+            tensors = ", ".join(f"`{name}` {value:.3g}" for name, value in ranked)
+            lines.append(f"| {r['variant']} | {r['optimizer']} | {share} | {error} | {tensors} |")
     by_point = sorted({r["updates"] for r in rows})
     if len(by_point) > 1:
         names = sorted({r["variant"] for r in rows}, key=[r["variant"] for r in rows].index)
@@ -384,7 +443,10 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         for name in names:
             for opt in (*LOSSES, "target critic"):
                 cells = [
-                    _cell(next(r["path error"] for r in rows if (r["variant"], r["optimizer"], r["updates"]) == key))
+                    _cell(
+                        next(r["path error"] for r in rows if (r["variant"], r["optimizer"], r["updates"]) == key),
+                        ".3g",
+                    )
                     for key in ((name, opt, u) for u in by_point)
                 ]
                 lines.append(f"| {name} | {opt} | " + " | ".join(cells) + " |")
