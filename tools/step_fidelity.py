@@ -291,9 +291,10 @@ class TargetJudge:
         return {"target updates": self.updates, "path error": error / moved if moved > 0 else math.nan}
 
 
-def resume(run_dir: Path, overrides: list[str]) -> tuple[SACModule, Any, dict[str, Any]]:
+def resume(run_dir: Path, overrides: list[str]) -> tuple[Any, Any, dict[str, Any]]:
     """The run as its trainer would resume it (weights, optimizer state, scalers, update count),
-    in one CPU process driven through Lightning Fabric, with ``overrides`` on its config."""
+    in one CPU process driven through Lightning Fabric, with ``overrides`` on its config: Fabric's
+    wrapper of the :class:`SACModule` (``.module``), the replay and the checkpoint."""
     from lightning.fabric import Fabric
 
     if not (run_dir / "checkpoints").is_dir():
