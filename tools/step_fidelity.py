@@ -65,6 +65,7 @@ from pixelsac.module import LOSSES, SACModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grad_fidelity import load_run  # noqa: E402
+from lowp_drift import flat  # noqa: E402
 from table_files import write_table_files  # noqa: E402
 
 #: A param group's keys that say how it steps (the variant's win); its lr, betas and ε (rescaled
@@ -72,10 +73,6 @@ from table_files import write_table_files  # noqa: E402
 GROUP_SWITCHES = ("kahan", "unbiased_moments", "foreach", "fused", "capturable", "differentiable")
 _ABSENT = object()
 TENTHS = ("smallest tenth", "middle", "largest tenth")
-
-
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().double().reshape(-1) for t in tensors])
 
 
 class AdamJudge:
@@ -149,7 +146,7 @@ class AdamJudge:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self._before = {
             "theta": self.effective(),
-            "grad": _flat(grads) / scale,
+            "grad": flat(grads) / scale,
             "scale": scale,
             "eps": self.true_eps(scale),
             "steps": self._run_steps(),
@@ -266,7 +263,7 @@ class TargetJudge:
         original = self.updater.update_
 
         def update_(tau: float) -> None:
-            read = _flat(self.sources)
+            read = flat(self.sources)
             original(tau)
             self.theta.add_(read - self.theta, alpha=tau)
             self.updates += 1
@@ -283,7 +280,7 @@ class TargetJudge:
             return torch.cat(
                 [((s.double() - c.double()) / k).reshape(-1) for s, c, k in zip(scaled, comps, scales, strict=True)]
             )
-        return _flat(updater.target_parameters())
+        return flat(updater.target_parameters())
 
     def report(self) -> dict[str, Any]:
         moved = float((self.theta - self.start).norm())
