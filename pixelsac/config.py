@@ -61,6 +61,7 @@ NULLABLE: dict[str, type] = {
     "lowp.emulate_batch_chunk": int,
     "lowp.unbiased_moments": bool,
     "lowp.stochastic_weights": bool,
+    "lowp.stochastic_first_moment": bool,
     "lowp.derived_target": bool,
     "lowp.fp32_q_output": bool,
     "lowp.adaptive_target_scale": bool,

@@ -278,6 +278,7 @@ def _results(
     beyond_six = (
         "unbiased_moments",
         "stochastic_weights",
+        "stochastic_first_moment",
         "derived_target",
         "adaptive_target_scale",
         "headroom_growth",

@@ -159,6 +159,7 @@ class PrecisionPolicy:
     sync_free: bool = False
     unbiased_moments: bool = False
     stochastic_weights: bool = False
+    stochastic_first_moment: bool = False
     derived_target: bool = False
     adaptive_target_scale: bool = False
     fp32_q_output: bool = False
@@ -191,6 +192,9 @@ class PrecisionPolicy:
         stochastic_weights = cfg.lowp.get("stochastic_weights")
         if stochastic_weights is None:  # bf16's 8 bits: SR spreads 3x wider than Kahan there (measured)
             stochastic_weights = mode == "fp16"
+        stochastic_first_moment = cfg.lowp.get("stochastic_first_moment")
+        if stochastic_first_moment is None:  # fp16's m of a few subnormal steps cannot decay rounded to nearest
+            stochastic_first_moment = mode == "fp16"
         derived_target = cfg.lowp.get("derived_target")
         if derived_target is None:
             derived_target = low
@@ -238,6 +242,7 @@ class PrecisionPolicy:
             unbiased_moments=unbiased_moments,
             # stochastic rounding replaces a Kahan buffer only where the unbiased hAdam step writes
             stochastic_weights=bool(stochastic_weights) and unbiased_moments and switches["hadam"],
+            stochastic_first_moment=bool(stochastic_first_moment) and unbiased_moments and switches["hadam"],
             derived_target=bool(derived_target) and switches["kahan_momentum"],
             adaptive_target_scale=bool(adaptive_target_scale) and switches["kahan_momentum"],
             fp32_q_output=bool(fp32_q_output) and low,
@@ -349,6 +354,7 @@ class PrecisionPolicy:
                 kahan=use_kahan,
                 capturable=self.sync_free,
                 unbiased_moments=self.unbiased_moments,
+                stochastic_first_moment=self.stochastic_first_moment,
                 seed=seed,
                 chunk_numel=lowp.HAdam.chunk_for(self.device_type),  # cache-sized on a CPU, whole buckets on a GPU
                 compiled=self.compiled_optimizer,
@@ -484,6 +490,8 @@ class PrecisionPolicy:
         on = [name for name in SIX if getattr(self, name)]
         if self.unbiased_moments and self.hadam:
             on.append("unbiased_moments")
+        if self.stochastic_first_moment:
+            on.append("stochastic_first_moment")
         if self.stochastic_weights and self.kahan_gradients:
             on[on.index("kahan_gradients")] = "kahan_gradients (as stochastic rounding)"
         if self.derived_target:
@@ -602,14 +610,19 @@ def keep_execution_flags(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
     """Make ``optimizer.load_state_dict`` keep the :data:`EXECUTION_FLAGS` this optimizer was
     built with: the run's settings win over the checkpoint's ``param_groups``. A pre-hook, so
     that torch places each ``step`` count where these flags want it (on the parameter's device
-    when fused or capturable, else where it was saved). Returns ``optimizer``."""
+    when fused or capturable, else where it was saved). A group key the checkpoint does not hold
+    (a switch added since it was written, e.g. hAdam's ``stochastic_first_moment``) keeps the
+    value the run built, as the run's config takes that key's default: torch would drop it.
+    Returns ``optimizer``."""
     built = [{key: group[key] for key in EXECUTION_FLAGS if key in group} for group in optimizer.param_groups]
+    built_keys = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
 
     def run_flags_win(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
         saved = state_dict.get("param_groups")
         if not isinstance(saved, list) or len(saved) != len(built):
             return None  # torch refuses a group mismatch itself
-        return {**state_dict, "param_groups": [{**group, **flags} for group, flags in zip(saved, built)]}
+        groups = [{**keys, **group, **flags} for group, keys, flags in zip(saved, built_keys, built)]
+        return {**state_dict, "param_groups": groups}
 
     optimizer.register_load_state_dict_pre_hook(run_flags_win)
     return optimizer

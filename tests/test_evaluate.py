@@ -79,6 +79,7 @@ def test_cli_evaluates_fp16_run_on_cpu_with_agent_view_video(run16, tmp_path):
     assert results["lowp"] == {
         **dict.fromkeys(["hadam", "loss_scaling", "kahan_gradients", "kahan_momentum", "softplus_fix"], True),
         **dict.fromkeys(["normal_fix", "unbiased_moments", "stochastic_weights", "derived_target"], True),
+        "stochastic_first_moment": True,
         **dict.fromkeys(["adaptive_target_scale", "headroom_growth", "fp32_q_output"], True),
         **dict.fromkeys(["fp32_actor_loss", "fp32_actor_features"], False),
     }

@@ -34,7 +34,7 @@ OBS_SHAPE, ACTION_DIM = (9, 84, 84), 1  # cartpole's: the counts shrink the imag
 #: pixelsac/perf/dispatch.py).
 BUDGETS = {
     "fp32": {"full": (545, 327, 6), "critic-only": (300, 175, 6)},
-    "fp16": {"full": (1170, 801, 78), "critic-only": (533, 346, 40)},
+    "fp16": {"full": (1221, 849, 75), "critic-only": (550, 362, 39)},
     "fp16-six": {"full": (918, 875, 28), "critic-only": (410, 472, 15)},
     "bf16": {"full": (1118, 759, 122), "critic-only": (506, 323, 44)},
     # hAdam's step, the loss scaler's bookkeeping and the target update compiled (perf.compile_optimizer)
@@ -45,7 +45,7 @@ BUDGETS = {
 
 def step_budget(n_params: int) -> int:
     """hAdam's budget for one sync-free step of a bucket of ``n_params`` parameters."""
-    return 115 + 5 * n_params // 2
+    return 130 + 5 * n_params // 2
 
 
 def count(mode: str, *overrides: str) -> tuple[dict, list]:
@@ -94,8 +94,9 @@ def test_what_the_eager_16_bit_modes_dispatch_beyond_fp32():
     rest is the same update: kornia's shift building its own map took 101 ops and 42 kernels off
     every mode's count, and the actor's backward computing no critic gradients 61-77 ops and
     32-48 kernels, which raised every ratio to fp32 while what fp16 adds hardly moved (629 -> 625
-    ops: fp32 Q's backward casts in the actor's step)."""
-    beyond = {"fp16": (625, 474), "fp16-six": (373, 548), "bf16": (573, 432)}
+    ops: fp32 Q's backward casts in the actor's step). fp16's rose by 51 ops and 48 kernels (625 ->
+    676) when stochastic rounding was carried into the subnormals and onto the first moment."""
+    beyond = {"fp16": (676, 522), "fp16-six": (373, 548), "bf16": (573, 432)}
     for mode, (ops, kernels) in beyond.items():
         assert BUDGETS[mode]["full"][0] - BUDGETS["fp32"]["full"][0] <= ops
         assert BUDGETS[mode]["full"][1] - BUDGETS["fp32"]["full"][1] <= kernels

@@ -13,6 +13,7 @@ from pixelsac.precision import (
     SIX,
     NumericalFailure,
     PrecisionPolicy,
+    keep_execution_flags,
     materialize_optimizer_state,
     state_bytes,
 )
@@ -254,3 +255,56 @@ def test_half_matmuls_reduce_in_fp32(precision):
         assert not matmul.allow_bf16_reduced_precision_reduction
     finally:
         matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = before
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["precision=fp16"], True),
+        (["precision=fp16", "lowp.stochastic_first_moment=false"], False),
+        (["precision=bf16"], False),
+        (["precision=bf16", "lowp.stochastic_first_moment=true"], True),
+        (["precision=fp16", "lowp.stochastic_first_moment=true", "lowp.unbiased_moments=false"], False),
+        (["precision=fp32", "lowp.stochastic_first_moment=true"], False),
+    ],
+)
+def test_stochastic_first_moment_reaches_every_unbiased_hadam_group(overrides, expected):
+    """The switch acts where hAdam's unbiased step writes the first moment (16 bits, unbiased
+    moments), in every optimizer of the agent, and trains; elsewhere it is off."""
+    module = make_module(*overrides)
+    assert module.precision_policy.stochastic_first_moment is expected
+    assert ("stochastic_first_moment" in module.precision_policy.describe()) is expected
+    torch.manual_seed(1)
+    fit(module, [make_batch(seed=i) for i in range(3)])
+    hadam_groups = [g for o in module.optimizers() for g in o.optimizer.param_groups if "unbiased_moments" in g]
+    assert len(hadam_groups) == (0 if overrides[0] == "precision=fp32" else 3)
+    assert all(group["stochastic_first_moment"] is expected for group in hadam_groups)
+    assert all(torch.isfinite(p.float()).all() for p in module.parameters())
+
+
+def test_a_checkpoint_without_a_newer_group_switch_resumes_with_the_runs_value():
+    """A checkpoint written before ``stochastic_first_moment`` existed holds groups without it:
+    torch's ``load_state_dict`` would drop the key (so the run would silently round ``m`` to
+    nearest while its config says otherwise); the run's built value stays. A key the checkpoint
+    holds is the checkpoint's."""
+    from pixelsac.lowp import HAdam
+
+    def built() -> HAdam:
+        param = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        optimizer = HAdam([param], lr=1e-3, unbiased_moments=True, stochastic_first_moment=True)
+        param.grad = torch.full_like(param, 0.5)
+        optimizer.step()
+        return keep_execution_flags(optimizer)
+
+    old = built().state_dict()
+    del old["param_groups"][0]["stochastic_first_moment"]
+    resumed = built()
+    resumed.load_state_dict(old)
+    assert resumed.param_groups[0]["stochastic_first_moment"] is True
+    unhooked = HAdam([torch.nn.Parameter(torch.ones(4, dtype=torch.float16))], lr=1e-3, stochastic_first_moment=True)
+    unhooked.load_state_dict(old)  # torch alone drops the key
+    assert "stochastic_first_moment" not in unhooked.param_groups[0]
+    saved_off = built().state_dict()
+    saved_off["param_groups"][0]["stochastic_first_moment"] = False
+    resumed.load_state_dict(saved_off)
+    assert resumed.param_groups[0]["stochastic_first_moment"] is False

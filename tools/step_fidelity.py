@@ -25,7 +25,11 @@ trial. Per optimizer (critic, actor, temperature) it reports:
   moments step further than Adam's). This leaves out how the weight is written: stochastic
   rounding (fp16's default) lands each sub-ulp step on a neighbouring 16-bit value, right on
   average but not step by step, which the path error takes in;
-- ``path error``: ‖θ - θ64‖ / ‖θ64 - θ0‖ after the updates, θ64 moved by its own steps;
+- ``path error``: ‖θ - θ64‖ / ‖θ64 - θ0‖ after the updates, θ64 moved by its own steps, also
+  within the smallest tenth, the middle and the largest tenth of the elements (below): against
+  the updates taken, an unbiased error (a noisy moment, stochastically rounded weights) grows
+  like the square root of their number where float64's own path grows like the number, so its
+  ratio falls; a systematic one (a moment that drifts) holds or grows;
 - the first moment ``‖m/S - m64‖ / ‖m64‖`` and the root moment ``s/(c·S·sqrt(v64))`` (torch
   Adam: ``sqrt(exp_avg_sq / v64)``) as its median over the elements, also within the smallest
   tenth, the middle and the largest tenth of the elements by ``sqrt(v64)`` -- where a gradient
@@ -59,7 +63,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pixelsac import checkpoint as ckpt_io
-from pixelsac.config import ConfigError, parse_overrides
+from pixelsac.config import ConfigError, load_config, parse_overrides, to_plain
 from pixelsac.lowp import CompoundLossScaler
 from pixelsac.module import LOSSES, SACModule
 
@@ -70,7 +74,15 @@ from table_files import write_table_files  # noqa: E402
 
 #: A param group's keys that say how it steps (the variant's win); its lr, betas and ε (rescaled
 #: with the loss scale under compound scaling) come from the checkpoint.
-GROUP_SWITCHES = ("kahan", "unbiased_moments", "foreach", "fused", "capturable", "differentiable")
+GROUP_SWITCHES = (
+    "kahan",
+    "unbiased_moments",
+    "stochastic_first_moment",
+    "foreach",
+    "fused",
+    "capturable",
+    "differentiable",
+)
 _ABSENT = object()
 TENTHS = ("smallest tenth", "middle", "largest tenth")
 
@@ -235,9 +247,12 @@ class AdamJudge:
                 "largest tenth": roots >= high,
             }
             steps = {k: v[live] for k, v in self.last.items()}
+            off_path, own_path = (theta - self.theta)[live], (self.theta - self.start)[live]
             whole = float(steps["judge_step"].norm()) if steps else 0.0
             for name, chosen in bins.items():
                 row[f"root ratio, {name}"] = float(ratio[chosen].median()) if chosen.any() else math.nan
+                moved_here = float(own_path[chosen].norm())
+                row[f"path error, {name}"] = float(off_path[chosen].norm()) / moved_here if moved_here > 0 else math.nan
                 if steps:
                     run, judged = steps["run_step"][chosen], steps["judge_step"][chosen]
                     norm = float(judged.norm())
@@ -302,7 +317,8 @@ def resume(run_dir: Path, overrides: list[str]) -> tuple[Any, Any, dict[str, Any
         raise UnfitState(str(exc.code).removeprefix("error: ")) from None
     checkpoint = copy.copy(checkpoint)
     if overrides:
-        config = OmegaConf.create(copy.deepcopy(checkpoint["hyper_parameters"]["config"]))
+        # the saved config with the keys added since it was written, as a resume reads it
+        config = OmegaConf.create(to_plain(load_config([], base=checkpoint["hyper_parameters"]["config"])))
         for key, value in parse_overrides(overrides).items():
             if key == "precision" or key.startswith(("agent.", "env.")):
                 raise UnfitState(f"a variant continues the run's state, so it cannot change {key}; lowp.* keys can")
@@ -392,22 +408,23 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         "",
         "| variant | optimizer | steps taken | step error | step ratio | path error | m error | root ratio "
         "| root ratio: smallest / middle / largest tenth | last step ratio: smallest / middle / largest tenth "
-        "| m lost | s lost | m frozen | loss scale |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| path error: smallest / middle / largest tenth | m lost | s lost | m frozen | loss scale |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in final:
         if r["optimizer"] == "target critic":
             lines.append(
                 f"| {r['variant']} | target critic | {r['target updates']} | | | {_cell(r['path error'], '.3g')} "
-                "| | | | | | | | |"
+                "| | | | | | | | | |"
             )
             continue
         tenths = " / ".join(_cell(r.get(f"root ratio, {t}"), ".3f") for t in TENTHS)
         steps = " / ".join(_cell(r.get(f"last step ratio, {t}"), ".3f") for t in TENTHS)
+        paths = " / ".join(_cell(r.get(f"path error, {t}"), ".3g") for t in TENTHS)
         lines.append(
             f"| {r['variant']} | {r['optimizer']} | {r['steps taken']} | {_cell(r['step error'], '.3g')} "
             f"| {_cell(r['step ratio'])} | {_cell(r['path error'], '.3g')} | {_cell(r['first moment error'], '.3g')} "
-            f"| {_cell(r['root ratio'])} | {tenths} | {steps} | {_cell(r['m lost'], '.2e')} "
+            f"| {_cell(r['root ratio'])} | {tenths} | {steps} | {paths} | {_cell(r['m lost'], '.2e')} "
             f"| {_cell(r['s lost'], '.2e')} | {_cell(r.get('m frozen'), '.2e')} | {r['loss scale']:g} |"
         )
     located = [r for r in final if "last step error by tensor" in r]
@@ -448,6 +465,23 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
                     for key in ((name, opt, u) for u in by_point)
                 ]
                 lines.append(f"| {name} | {opt} | " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "Path error in the smallest tenth of the elements by float64's sqrt(v), by updates taken (falling: "
+            "noise that averages out; holding or growing: drift):",
+            "",
+            "| variant | optimizer | " + " | ".join(str(u) for u in by_point) + " |",
+            "|---|---|" + "---|" * len(by_point),
+        ]
+        for name in names:
+            for opt in LOSSES:
+                found = [
+                    next((r for r in rows if (r["variant"], r["optimizer"], r["updates"]) == (name, opt, u)), {})
+                    for u in by_point
+                ]
+                if any("path error, smallest tenth" in r for r in found):
+                    cells = [_cell(r.get("path error, smallest tenth"), ".3g") for r in found]
+                    lines.append(f"| {name} | {opt} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ inductor fuses it. For a bucket whose parameter ``k`` has taken ``t_k`` steps, e
     m32 = lerp(m, g, 1-β1)
     u32 = step_k · m32 / (s32 / c_k + ε)      c_k = sqrt(1 - β2^t_k)
                                               step_k = -lr·(1-β1) / (sqrt(1-β2)·(1 - β1^t_k))
-    m <- RN(m32)     s <- SR(s32; key_k, i)
+    m <- RN(m32), or SR(m32; key"_k, i)     s <- SR(s32; key_k, i)
     p <- SR(p + u32; key'_k, i), or Kahan: y = u32 - c, p <- RN(p + y), c <- RN((p_new - p) - y)
     every write blended with ``take`` (a skipped step changes nothing)
 
@@ -103,6 +103,7 @@ class _Decision(NamedTuple):
     step_sizes: torch.Tensor  # per parameter, float32: -lr·(1-β1) / (sqrt(1-β2)·(1 - β1^t))
     keys: torch.Tensor  # per parameter, int32: the root moment's rounding key
     param_keys: torch.Tensor  # per parameter, int32: the weights' rounding key
+    avg_keys: torch.Tensor  # per parameter, int32: the first moment's rounding key (stochastic m)
     one_minus_beta1: torch.Tensor  # 0-dim float32
 
 
@@ -133,6 +134,7 @@ def _decide(grad, exp_avg_root, counts, found_inf, stream_starts, hyper) -> _Dec
         step_sizes=(step_factor / (1.0 - torch.pow(beta1, counted))).to(torch.float32),
         keys=as_int32(keys),
         param_keys=as_int32(mix_key(keys, 1)),
+        avg_keys=as_int32(mix_key(keys, 2)),
         one_minus_beta1=one_minus_beta1,
     )
 
@@ -147,10 +149,11 @@ def _logical_index(within, channels, height, width):
 
 
 def _elements(
-    decision: _Decision, exp_avg, param, kahan_comp, root_correction, step_size, key, param_key, counter, eps
+    decision: _Decision, exp_avg, param, kahan_comp, root_correction, step_size, key, param_key, avg_key, counter, eps
 ):
     """Each element's step (module docstring): new ``m``, ``s``, weight and Kahan buffer (None
-    without one), not yet blended with the skip decision."""
+    without one), not yet blended with the skip decision. ``avg_key``: None rounds ``m`` to
+    nearest, else its stochastic-rounding key."""
     dtype, root32 = param.dtype, decision.root32
     avg32 = exp_avg.float().lerp(decision.grad32, decision.one_minus_beta1)
     denom32 = (root32 / root_correction + eps).clamp_min(torch.finfo(torch.float32).tiny)
@@ -164,7 +167,8 @@ def _elements(
     else:
         new_param = stochastic_round(param32 + update32, dtype, param_key, counter=counter)
         new_comp = None
-    return avg32.to(dtype), new_root, new_param, new_comp
+    new_avg = avg32.to(dtype) if avg_key is None else stochastic_round(avg32, dtype, avg_key, counter=counter)
+    return new_avg, new_root, new_param, new_comp
 
 
 def _write(
@@ -189,8 +193,9 @@ def _write(
 
 
 def _step(
-    grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper, backoff
-) -> torch.Tensor:
+    grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper, backoff,
+    stochastic_avg,
+) -> torch.Tensor:  # fmt: skip
     """The step in one pass over the bucket: each element finds its parameter (a ``bucketize`` of
     its position against ``layout``) and reads that parameter's values through it -- cheap on a
     GPU, where the table sits in cache; inductor's CPU loops do not vectorise such gathers
@@ -202,7 +207,8 @@ def _step(
     counter = _logical_index(position - rows[:, 0], rows[:, 2], rows[:, 3], rows[:, 4])
     new = _elements(
         decision, exp_avg, param, kahan_comp, decision.root_corrections[owner], decision.step_sizes[owner],
-        decision.keys[owner], decision.param_keys[owner], counter, eps,
+        decision.keys[owner], decision.param_keys[owner], decision.avg_keys[owner] if stochastic_avg else None,
+        counter, eps,
     )  # fmt: skip
     return _write(decision, exp_avg, exp_avg_root, param, kahan_comp, counts, eps, backoff, *new)
 
@@ -237,6 +243,7 @@ def step(
     eps: torch.Tensor,
     hyper: torch.Tensor,
     backoff: torch.Tensor | None,
+    stochastic_avg: bool = False,
 ) -> torch.Tensor:
     """One unbiased hAdam step of a whole bucket (module docstring), on 1-D tensors in the
     parameters' memory order: the joined gradient, and the bucket's flat parameters and state.
@@ -253,6 +260,8 @@ def step(
     ``f`` (in float32, rounded once), and every step sets ``ε <- max(ε·f, floor)`` (``f`` = 1 if
     taken) -- in the same pass, instead of another pass over the moments every step.
 
+    ``stochastic_avg``: write ``m`` stochastically rounded (its own stream), not rounded to nearest.
+
     Returns the 0-dim bool "a new root moment overflowed"."""
     from torch._inductor import metrics  # (torch.compile's first call imports inductor anyway)
 
@@ -263,7 +272,7 @@ def step(
     with torch._dynamo.config.patch(recompile_limit=64):
         overflow = compile_once(_step)(
             grad, exp_avg, exp_avg_root, param, kahan_comp, counts, found_inf, stream_starts, layout, eps, hyper,
-            backoff,
+            backoff, stochastic_avg,
         )  # fmt: skip
     if metrics.generated_kernel_count != before:  # compiled now: note this form's kernels
         _kernels["step"] = metrics.generated_kernel_count - before

@@ -30,11 +30,17 @@ GPU optimizer does in registers -- and written back once::
 
     m32 = lerp(m, g, 1-β1)                 s32 = hypot((1-β1)|g|, sqrt(β2)·s)      (float32)
     u32 = -step · m32 / (s32 / sqrt(1 - β2**t) + ε)                               (float32)
-    m <- RN(m32)     s <- SR(s32)
+    m <- RN(m32), or SR(m32) with stochastic_first_moment     s <- SR(s32)
     p <- SR(p + u32), or with Kahan-gradients:  y = u32 - c,  p <- RN(p + y),  c <- RN((p_new - p) - y)
 
-RN rounds to nearest (m changes by ~10% per step, far above an ulp, and is unbiased that way);
-SR is the deterministic stochastic rounding of ``rounding.py``, so ``E[s] = s32`` and the
+RN rounds to nearest. Where ``m`` is normal it changes by ~10% per step, far above an ulp, and
+RN is unbiased that way; but an fp16 ``m`` of 1-4 subnormal steps (2^-24 each) has
+``RN(β1·m) = m``: it cannot decay and keeps stepping its weight the same way for as long as the
+gradient stays small, where float64's ``m`` dies away. In DrQ's full-size critic at a loss scale
+of 78 a quarter of the first moments sat there and carried most of the step's error against
+float64 Adam. ``stochastic_first_moment=True`` writes ``m`` with SR too (a third
+stream), unbiased at the price of an ulp of noise.
+SR is the deterministic stochastic rounding of ``rounding.py`` (subnormals included), so ``E[s] = s32`` and the
 quantisation bias of the decay averages out (measured: median s/s_float64 1.000 in fp16 and bf16
 after 5,000 steps, against 0.73 and 0.85-2.3 published). A parameter without a Kahan buffer (the
 actor, as the paper runs it) is written with SR as well: in bf16 an lr-1e-3 step is below half
@@ -167,6 +173,9 @@ class HAdam(Optimizer):
         unbiased_moments: float32 step math with one rounding per state tensor and a
             stochastically rounded root moment (module docstring). False is the published
             arithmetic, every op rounded to the parameter dtype. No effect in float32/float64.
+        stochastic_first_moment: with ``unbiased_moments``, write ``m`` back stochastically
+            rounded (a third stream) instead of rounded to nearest: ``m`` of a few fp16
+            subnormal steps then decays as float64's does instead of sticking (module docstring).
         seed: selects the stochastic-rounding stream (different optimizers of one run should
             differ); with it, runs are deterministic.
         chunk_numel: elements per float32 temporary in the unbiased path (bounds its
@@ -185,12 +194,13 @@ class HAdam(Optimizer):
             parameters and optimizers spanning several devices or dtypes stay eager.
 
     Op budget (what a GPU pays in launches): a sync-free step of one bucket with
-    ``chunk_numel=None`` dispatches at most ``115 + 2.5·n`` aten ops for ``n`` parameters (views
+    ``chunk_numel=None`` dispatches at most ``130 + 2.5·n`` aten ops for ``n`` parameters (views
     included, a foreach op counted once; bias corrections and rounding keys are vectors over the
     bucket, the per-element spreads gathers, the flat views of parameters and state kept from step
-    to step, the root moments and the weights stochastically rounded in one call) -- DrQ's critic
-    153, actor 131, ``log_alpha`` 112 in fp16 -- and a whole fp16
-    update (critic, actor, temperature and target, forward and backward) 1,170, against fp32's
+    to step, the root moments, the weights and the first moments stochastically rounded in one
+    call) -- DrQ's critic 170, actor 148, ``log_alpha`` 129 in fp16 (10 fewer each with ``m``
+    rounded to nearest) -- and a whole fp16
+    update (critic, actor, temperature and target, forward and backward) 1,221, against fp32's
     545, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
     2^18-element chunks the same update at 84×84 dispatched 5,415 (~30 ops a chunk; counted when
     the whole update was 1,465), which is why a GPU takes whole buckets.
@@ -210,6 +220,7 @@ class HAdam(Optimizer):
         kahan: bool = False,
         capturable: bool = False,
         unbiased_moments: bool = False,
+        stochastic_first_moment: bool = False,
         seed: int = 0,
         chunk_numel: int | None = 1 << 18,
         compiled: bool = False,
@@ -229,6 +240,7 @@ class HAdam(Optimizer):
             kahan=bool(kahan),
             capturable=bool(capturable),
             unbiased_moments=bool(unbiased_moments),
+            stochastic_first_moment=bool(stochastic_first_moment),
         )
         super().__init__(params, defaults)
         self.seed = int(seed)
@@ -579,18 +591,22 @@ class HAdam(Optimizer):
             root_corrections = (1.0 - beta2**counted).sqrt().to(torch.float32)
             step_sizes = (-lr * (1.0 - beta1) / math.sqrt(1.0 - beta2) / (1.0 - beta1**counted)).to(torch.float32)
             keys = mix_key(counts, start=self._constant(device, ("stream", tuple(indices)), self._stream_starts))
-            return {
+            streams = {
                 "root_correction": root_corrections,
                 "step_size": step_sizes,
                 "key": keys,
                 "param_key": mix_key(keys, 1),
             }
+            if group.get("stochastic_first_moment", False):
+                streams["avg_key"] = mix_key(keys, 2)
+            return streams
         keys = [mix_key(self.seed, index, t) for index, t in zip(indices, steps)]
         return {
             "root_correction": [math.sqrt(1.0 - beta2**t) for t in steps],
             "step_size": [-lr * (1.0 - beta1) / (math.sqrt(1.0 - beta2) * (1.0 - beta1**t)) for t in steps],
             "key": keys,
             "param_key": [mix_key(k, 1) for k in keys],
+            "avg_key": [mix_key(k, 2) for k in keys],  # (host numbers: no ops to spare)
         }
 
     def _stream_starts(self, key: tuple[str, tuple[int, ...]], device: torch.device) -> torch.Tensor:
@@ -598,9 +614,10 @@ class HAdam(Optimizer):
         return torch.tensor([mix_key(self.seed, index) for index in key[1]], dtype=torch.int64, device=device)
 
     def _fp32_apply(self, group: dict[str, Any], bucket: dict[str, Any], take: torch.Tensor | None) -> None:
-        """One element's step in float32, written back once (RN for m and p, SR for s), a pack
-        of parameters at a time."""
+        """One element's step in float32, written back once (SR for s; RN or SR for m; SR for p
+        without a Kahan buffer), a pack of parameters at a time."""
         beta1 = group["betas"][0]
+        stochastic_avg = bool(group.get("stochastic_first_moment", False))
         eps = group["eps"]
         params = bucket["params"]
         dtype, device = params[0].dtype, params[0].device
@@ -625,34 +642,41 @@ class HAdam(Optimizer):
             root_correction = spread(streams["root_correction"])
             step_size = spread(streams["step_size"])
             # the stochastic-rounding streams: one per (parameter, t), indexed by element. Without
-            # Kahan buffers the root moments and the weights are rounded in one call (device counts):
-            # both streams spread at once, as the rows of one tensor (the bits of two calls)
+            # Kahan buffers the root moments, the weights (and the first moments) are rounded in one
+            # call (device counts): the streams spread at once, as the rows of one tensor (the bits
+            # of one call each)
             paired = not pack.kahan and torch.is_tensor(streams["key"])
             if paired:
-                keys = spread(torch.stack([streams["key"], streams["param_key"]]), as_key=True)
+                names = ["key", "param_key", "avg_key"][: 3 if stochastic_avg else 2]
+                keys = spread(torch.stack([streams[name] for name in names]), as_key=True)
             else:
                 key = spread(streams["key"], as_key=True)
                 param_key = None if pack.kahan else spread(streams["param_key"], as_key=True)
+                avg_key = spread(streams["avg_key"], as_key=True) if stochastic_avg else None
             counter = self._counter(bucket, pack, device, segment)
             avg16 = self._joined(views["exp_avg"])
             avg32 = avg16.float().lerp_(grad32, 1.0 - beta1)
             denom32 = (root32 / root_correction).add_(eps).clamp_min_(tiny32)
             update32 = avg32.div(denom32).mul_(step_size)
             del denom32, grad32
-            self._write(views["exp_avg"], avg32.to(dtype), avg16, take, lengths)
-            del avg32
+            if not stochastic_avg:
+                self._write(views["exp_avg"], avg32.to(dtype), avg16, take, lengths)
+                del avg32
             param16 = self._joined(views["param"])
             param32 = param16.float()
-            if paired:  # the root moments and the weights in one call: half the hash's ops
+            if paired:  # the root moments, the weights (and m) in one call: fewer of the hash's ops
+                rows = [root32, param32.add_(update32)] + ([avg32] if stochastic_avg else [])
                 rounded = stochastic_round(
-                    torch.stack([root32, param32.add_(update32)]),
-                    dtype,
-                    keys if keys.dim() == 2 else keys.view(2, 1),
-                    counter=counter,
+                    torch.stack(rows), dtype, keys if keys.dim() == 2 else keys.view(len(rows), 1), counter=counter
                 )
                 new_root, new_param = rounded[0], rounded[1]
+                new_avg = rounded[2] if stochastic_avg else None
             else:
                 new_root = stochastic_round(root32, dtype, key, counter=counter)
+                new_avg = stochastic_round(avg32, dtype, avg_key, counter=counter) if stochastic_avg else None
+            if stochastic_avg:
+                self._write(views["exp_avg"], new_avg, avg16, take, lengths)
+                del avg32, new_avg
             self._write(
                 views["exp_avg_root"],
                 new_root,
@@ -777,6 +801,7 @@ class HAdam(Optimizer):
         overflow = fused.step(
             grad, flat["exp_avg"], flat["exp_avg_root"], flat["param"], flat["kahan_comp"] if kahan else None,
             counts, None if found_inf is None else found_inf.to(device), stream_starts, layout, eps, hyper, backoff,
+            bool(group.get("stochastic_first_moment", False)),
         )  # fmt: skip
         # changed in place through the flat buffer: tell autograd, as an in-place op on each would
         torch.autograd.graph.increment_version(params)

@@ -12,9 +12,16 @@ where ``⌊x⌋, ⌈x⌉`` are the neighbouring representable numbers of the tar
 pattern of a float32 this is: add a uniform random integer in ``[0, 2^k)`` to the ``k`` low
 mantissa bits the target dtype drops (k = 13 for fp16, 16 for bf16), then truncate them (round
 toward zero). The carry of that addition is the "round away from zero" event and has exactly the
-probability above; sign-magnitude storage makes it symmetric for negative numbers. Below fp16's
-normal range (|x| < 6.1e-5) fp16 keeps fewer bits than this leaves, and the final conversion
-rounds to nearest there.
+probability above; sign-magnitude storage makes it symmetric for negative numbers.
+
+fp16's subnormals (|x| < 2^-14 ≈ 6.1e-5) lie on a fixed grid of 2^-24, coarser than the 13 dropped
+bits leave there, so the bit trick alone would end in a rounding to nearest, which is where a
+decaying value sticks: ``RN(0.9·m) = m`` for ``m`` of 1-4 grid steps, ``RN(sqrt(β2)·s) = s`` for
+every subnormal ``s`` at β2 = 0.999. Such ``x`` are first moved by ``±2^-14`` into
+``[2^-14, 2^-13)``, whose float32 ulp is 2^-37 and fp16 ulp 2^-24 (again 13 bits apart), rounded
+there as above and moved back, exactly: the subnormal grid is rounded stochastically too, the
+shift's own float32 rounding (2^-38) far below the 2^-13 resolution of the probabilities. bf16
+shares float32's exponent range and needs no shift.
 
 The random integers come from a counter-based hash of ``(key, element index)`` (Wellons'
 "lowbias32", itself two xorshift-multiply rounds, applied twice to ``index·C + key``, in int32
@@ -37,6 +44,7 @@ _MUL_A = 0x7FEB352D
 _MUL_B = 0x846CA68B - (1 << 32)
 # fp32 mantissa bits dropped when rounding into each 16-bit dtype
 _DROPPED_BITS = {torch.float16: 13, torch.bfloat16: 16}
+_FP16_SMALLEST_NORMAL = 2.0**-14
 
 
 def _lowbias32_(x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +143,10 @@ def stochastic_round(
         raise ValueError(f"stochastic_round: no stochastic rounding into {dtype}")
     dropped = _DROPPED_BITS[dtype]
     flat = x if x.dim() == 1 else x.reshape(-1)  # (a view is an op too: none for a vector)
+    shift, unshifted = None, flat
+    if dtype == torch.float16:  # subnormal targets: onto the binade above and back (module docstring)
+        shift = flat.abs().lt_(_FP16_SMALLEST_NORMAL).copysign_(flat).mul_(_FP16_SMALLEST_NORMAL)
+        flat = flat + shift  # (NaN and inf: a shift of 0)
     if counter is None:
         noise = random_bits(flat.numel(), key, dropped, flat.device, offset)
     else:
@@ -144,5 +156,9 @@ def stochastic_round(
     pattern = noise.add_(bits).bitwise_and_(~((1 << dropped) - 1))
     # NaN and inf patterns must not carry into a different value; leave them as they are
     pattern = torch.where(finite_pattern(bits), pattern, bits)
-    rounded = pattern.view(torch.float32).to(dtype)
+    rounded32 = pattern.view(torch.float32)
+    if shift is not None:
+        # exact (both on the 2^-24 grid below 2^-13); the sign back onto a zero (-0 stays -0)
+        rounded32 = rounded32.sub_(shift).copysign_(unshifted)
+    rounded = rounded32.to(dtype)
     return rounded if x.dim() == 1 else rounded.view(x.shape)
