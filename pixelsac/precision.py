@@ -614,8 +614,8 @@ def keep_execution_flags(optimizer: torch.optim.Optimizer) -> torch.optim.Optimi
     (a switch added since it was written, e.g. hAdam's ``stochastic_first_moment``) keeps the
     value the run built, as the run's config takes that key's default: torch would drop it.
     Returns ``optimizer``."""
-    built = [{key: group[key] for key in EXECUTION_FLAGS if key in group} for group in optimizer.param_groups]
     built_keys = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    built = [{key: keys[key] for key in EXECUTION_FLAGS if key in keys} for keys in built_keys]
 
     def run_flags_win(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
         saved = state_dict.get("param_groups")

@@ -601,13 +601,15 @@ class HAdam(Optimizer):
                 streams["avg_key"] = mix_key(keys, 2)
             return streams
         keys = [mix_key(self.seed, index, t) for index, t in zip(indices, steps)]
-        return {
+        streams = {
             "root_correction": [math.sqrt(1.0 - beta2**t) for t in steps],
             "step_size": [-lr * (1.0 - beta1) / (math.sqrt(1.0 - beta2) * (1.0 - beta1**t)) for t in steps],
             "key": keys,
             "param_key": [mix_key(k, 1) for k in keys],
-            "avg_key": [mix_key(k, 2) for k in keys],  # (host numbers: no ops to spare)
         }
+        if group.get("stochastic_first_moment", False):
+            streams["avg_key"] = [mix_key(k, 2) for k in keys]
+        return streams
 
     def _stream_starts(self, key: tuple[str, tuple[int, ...]], device: torch.device) -> torch.Tensor:
         """``mix_key(seed, index)`` per parameter: the part of each key that ``t`` does not change."""
