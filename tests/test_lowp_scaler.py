@@ -280,6 +280,34 @@ def test_after_a_burst_of_overflows_headroom_growth_returns_the_scale_where_the_
     assert float(large.scale) == pytest.approx(1e4 * 0.5**11 * 2**5) and large.skipped_steps == 11
 
 
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync-free"])
+def test_headroom_growth_keeps_the_scale_within_the_scaled_losss_dtype(sync_free):
+    """The full-size fp16 agent's temperature: an fp16 loss α·mean(c) whose scaled gradient
+    α·mean(c)·S fills 3% of fp16's range at S = 4e4. The gradients leave room for ×8, but S is
+    the backward's first gradient and an fp16 loss holds no S past 65,504: grown to 3.2e5, every
+    step overflows (three skips back to 4e4 after each check, as the runs logged: 12 skips in
+    these 60 steps before the limit). Headroom growth stops at 4e4 with no step skipped; the same
+    loss computed in float32 may grow past 65,504, where only the fp16 gradients bound S."""
+
+    def run(loss_dtype: torch.dtype, steps: int) -> CompoundLossScaler:
+        log_alpha = torch.tensor(-3.0, dtype=F16, requires_grad=True)  # α ≈ 0.05
+        opt = HAdam([log_alpha], lr=1e-4, eps=1e-4, capturable=sync_free)
+        scaler = CompoundLossScaler(init_scale=1e4, growth_interval=10, headroom_growth=True, sync_free=sync_free)
+        gap = torch.tensor([1.5, 0.5, 1.2, 0.8], dtype=loss_dtype)  # -log π - target entropy
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = (log_alpha.to(loss_dtype).exp() * gap).mean()
+            scaler.scale_loss(loss).backward()
+            scaler.step(opt)
+        return scaler
+
+    fp16_loss = run(F16, 60)
+    assert float(fp16_loss.scale) == pytest.approx(4e4)  # ×4 at the first check, then no room
+    assert fp16_loss.skipped_steps == 0
+    fp32_loss = run(torch.float32, 60)
+    assert float(fp32_loss.scale) > 65504 and fp32_loss.skipped_steps == 0
+
+
 @pytest.mark.parametrize("dtype", [F16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("margin", [1.1 * 0.9005, 1.0, 1.5, 2.0])
 def test_the_overflow_flag_read_from_the_peaks_decides_as_the_elementwise_check(dtype, margin):

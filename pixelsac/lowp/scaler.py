@@ -50,6 +50,15 @@ the largest power of ``growth_factor`` that keeps ``P·f·headroom_margin`` with
 room, no growth. So the scale climbs back as far as the gradients allow in one check, and never
 into a known overflow. Without a recorded peak (just resumed) it doubles, as published.
 
+The scale itself is the backward's first gradient (``∂(S·L)/∂L = S``), held in the loss's dtype:
+for a loss computed in fp16 an ``S`` past 65504 is inf before any gradient is formed, and every
+step overflows, whatever the gradients' peaks said. So headroom growth also keeps ``S·f`` within
+the largest finite value of the dtype of the last loss :meth:`scale_loss` scaled (a float32
+loss: no such limit). Without it, the full-size fp16 agent's temperature (an fp16 loss, S =
+40,000, its gradient's peak 2-4% of fp16's range) grew ×8 at every growth check and was backed
+off three times in the next three steps, every 2,000 updates. The published doubling is left as
+it is (``headroom_growth=False``).
+
 Headroom and overflow records (both forms, on the device, read when the host waits anyway):
 every step also takes each gradient's peak ``max|S·g|`` (one foreach pass) and keeps
 
@@ -264,6 +273,7 @@ class CompoundLossScaler:
         self._grad_peak: torch.Tensor | None = None
         self._skipped_peaks: torch.Tensor | None = None
         self._interval_peak: torch.Tensor | None = None  # largest taken peak since the last growth check, in ×S units
+        self._scale_limit = math.inf  # the largest S the last scaled loss's dtype holds (see scale_loss)
 
     def _get(self, name: str) -> Any:
         if self._device_counts is not None:
@@ -299,7 +309,10 @@ class CompoundLossScaler:
         return LossScale(self._scale)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss·S``, without reading ``S`` on the host in sync-free mode."""
+        """``loss·S``, without reading ``S`` on the host in sync-free mode. Notes the loss's dtype:
+        ``S`` is the backward's first gradient, in that dtype, so headroom growth keeps ``S``
+        within its range (module docstring)."""
+        self._scale_limit = torch.finfo(loss.dtype).max
         if not self.sync_free:
             return loss * self._counts["scale"]
         return loss * self._device_state(loss.device)["scale"].to(loss.dtype)
@@ -555,15 +568,20 @@ class CompoundLossScaler:
 
     def _growth_by(self) -> float:
         """The factor a due growth multiplies ``S`` by: ``growth_factor``, or (headroom growth)
-        its largest power that keeps the interval's peak ``·headroom_margin`` in range, 1.0 for
-        none. Reads the peak on the host: called at growth checks only."""
+        its largest power that keeps the interval's peak ``·headroom_margin`` in range and ``S``
+        within the scaled loss's dtype, 1.0 for none. Reads the peak (and in sync-free mode
+        ``S``) on the host, in one read: called at growth checks only."""
         if not self.headroom_growth or self._interval_peak is None:
             return self.growth_factor
-        peak = float(self._interval_peak)
+        if self._device_counts is not None:
+            peak, scale = torch.stack([self._interval_peak.float(), self._device_counts["scale"].float()]).tolist()
+        else:
+            peak, scale = float(self._interval_peak), float(self._counts["scale"])
         self._interval_peak.zero_()
-        if not peak > 0.0:  # nothing recorded since a resume: the published doubling
-            return self.growth_factor
-        room = torch.finfo(self._interval_peak.dtype).max / (peak * self.headroom_margin)
+        scale_room = self._scale_limit / scale
+        if not peak > 0.0:  # nothing recorded since a resume: the published doubling, if S has room
+            return self.growth_factor if scale_room >= self.growth_factor else 1.0
+        room = min(torch.finfo(self._interval_peak.dtype).max / (peak * self.headroom_margin), scale_room)
         if not room >= self.growth_factor:
             return 1.0
         steps = int(math.floor(math.log(min(room, self.max_growth)) / math.log(self.growth_factor)))
