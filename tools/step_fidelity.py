@@ -35,7 +35,11 @@ trial. Per optimizer (critic, actor, temperature) it reports:
   tenth, the middle and the largest tenth of the elements by ``sqrt(v64)`` -- where a gradient
   element is small, a 16-bit moment in ×S units sits near the subnormals -- and the share of
   elements whose ``m`` or ``s`` is exactly 0 while float64's is not, and ``m frozen``: the share
-  whose 16-bit ``m`` is too small to decay at all (``RN(β1·m) = m``, a few subnormal ulps);
+  whose 16-bit ``m`` is too small to decay at all (``RN(β1·m) = m``, a few subnormal ulps).
+  With ``m`` stochastically rounded (``lowp.stochastic_first_moment``), an ``m`` below one
+  subnormal ulp is 0 most of the time and one ulp otherwise, unbiased on average: most of
+  ``m lost`` is then those zeros, not a lost signal, and ``m frozen`` counts states that
+  rounding to nearest could not leave but a stochastic rounding does;
 - the last step's ratio ‖u‖ / ‖Δθ64‖ within those tenths;
 - for the target: ‖θ̄ - θ̄64‖ / ‖θ̄64 - θ̄0‖ (0: the target moved exactly as a float64 EMA of the
   same weights would).
