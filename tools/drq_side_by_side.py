@@ -153,7 +153,8 @@ def make_our_agent(
     module.setup("fit")
     optimizers = module.configure_optimizers()
     module, *optimizers = fabric.setup(module, *optimizers)
-    module.on_fit_start()
+    # not module.on_fit_start(): it prepares a checkpoint's restore through trainer.optimizers,
+    # which a Fabric-driven module lacks, and nothing is restored here
     return module
 
 

@@ -54,10 +54,10 @@ The scale itself is the backward's first gradient (``∂(S·L)/∂L = S``), held
 for a loss computed in fp16 an ``S`` past 65504 is inf before any gradient is formed, and every
 step overflows, whatever the gradients' peaks said. So headroom growth also keeps ``S·f`` within
 the largest finite value of the dtype of the last loss :meth:`scale_loss` scaled (a float32
-loss: no such limit). Without it, the full-size fp16 agent's temperature (an fp16 loss, S =
-40,000, its gradient's peak 2-4% of fp16's range) grew ×8 at every growth check and was backed
-off three times in the next three steps, every 2,000 updates. The published doubling is left as
-it is (``headroom_growth=False``).
+loss: no such limit; ``scale(loss)`` scales without noting it). Without it, the full-size fp16
+agent's temperature (an fp16 loss, S = 40,000, its gradient's peak 2-4% of fp16's range) grew
+×4-8 at every growth check and was backed off two or three times in the next steps, every 2,000
+updates. The published doubling is left as it is (``headroom_growth=False``).
 
 Headroom and overflow records (both forms, on the device, read when the host waits anyway):
 every step also takes each gradient's peak ``max|S·g|`` (one foreach pass) and keeps
@@ -217,7 +217,7 @@ class CompoundLossScaler:
 
     Use::
 
-        scaler.scale(loss).backward()
+        scaler.scale_loss(loss).backward()      # loss·S (scale(loss) too, without noting the dtype)
         took_step = scaler.step(optimizer)      # never unscale the gradients
         optimizer.zero_grad()
     """
