@@ -313,15 +313,21 @@ class SACModule(L.LightningModule):
         action = dist.rsample()
         log_prob = dist.log_prob(action).sum(-1, keepdim=True)
         q1, q2 = self.critic.heads(trunk_features, action, fp32=fp32)
-        alpha = self.alpha  # one exp for both losses
-        actor_loss = (alpha.detach() * log_prob - torch.min(q1, q2)).mean()
-        alpha_loss = (alpha * (-log_prob - self.target_entropy).detach()).mean()
+        alpha = self.alpha.detach()  # one exp for both losses; neither differentiates it
+        actor_loss = (alpha * log_prob - torch.min(q1, q2)).mean()
+        # DrQ's temperature loss α·E[-log π - H̄] has the gradient α·E[-log π - H̄] in log α.
+        # Written as log α · (α·E[...]) with α held constant, the backward forms that product
+        # directly. The published form's backward first forms S·E[-log π - H̄], 1/α times the
+        # gradient (×20 at α = 0.05): at the fp16 temperature's loss scale of 4e4 that overflows
+        # once |E[...]| > 1.64, where the gradient itself fills 3% of fp16's range.
+        published_alpha_loss = alpha * (-log_prob - self.target_entropy).detach().mean()
+        alpha_loss = self.log_alpha * published_alpha_loss
         return (
             actor_loss,
             alpha_loss,
             {
                 "actor_loss": actor_loss.detach(),
-                "alpha_loss": alpha_loss.detach(),
+                "alpha_loss": published_alpha_loss,
                 "entropy": -log_prob.detach().mean(),
             },
         )

@@ -1,5 +1,7 @@
 """The SAC module: one update on a synthetic batch, in each precision mode."""
 
+import math
+
 import lightning as L
 import numpy as np
 import pytest
@@ -139,6 +141,50 @@ def test_actor_loss_does_not_train_the_convolutions():
     actor_loss.backward()
     assert all(p.grad is None for p in module.critic.trunk.parameters())
     assert any(p.grad is not None for p in module.actor.parameters())
+
+
+def test_the_temperatures_backward_forms_its_gradient_alone():
+    """DrQ's temperature loss α·E[-log π - H̄] has the gradient α·E[...] in log α. Its published
+    form's backward forms S·E[...] first, 1/α times that: with α = 0.05 and E[...] = 2, at the
+    fp16 temperature's loss scale of 4e4 that is 8e4, past fp16's range, while the scaled
+    gradient itself is 4e3 (6% of it). The module's loss, log α times the constant α·E[...],
+    gives that gradient from one product: finite, and float64's within fp16's rounding. In
+    float64 the two forms have the same gradient."""
+    torch.manual_seed(0)
+    module = make_module("precision=fp16")
+    fit(module, [])  # sets the trainer up without an update
+    policy = module.precision_policy
+    obs = policy.cast_observation(make_batch()["obs"])
+    with torch.no_grad():
+        module.log_alpha.fill_(math.log(0.05))
+    torch.manual_seed(1)
+    with policy.compute_context():
+        _, _, metrics = module.actor_and_alpha_loss(obs)
+    module.target_entropy = float(metrics["entropy"]) - 2.0  # E[-log π - H̄] = 2
+    torch.manual_seed(1)  # the same actions, so the same log π
+    with policy.compute_context():
+        _, alpha_loss, metrics = module.actor_and_alpha_loss(obs)
+    scale = 4e4
+    gap = metrics["entropy"].double() - module.target_entropy
+    assert float(gap) == pytest.approx(2.0, rel=1e-3)
+    assert module.log_alpha.dtype == alpha_loss.dtype == torch.float16
+
+    def grad_of(loss: torch.Tensor) -> torch.Tensor:
+        module.log_alpha.grad = None
+        (loss * scale).backward(inputs=[module.log_alpha])
+        return module.log_alpha.grad.double()
+
+    alpha64 = math.exp(float(module.log_alpha))  # the fp16 log α, widened exactly
+    expected = scale * alpha64 * float(gap)
+    assert float(grad_of(alpha_loss)) == pytest.approx(expected, rel=2e-3)
+    published = module.alpha * (metrics["entropy"] - module.target_entropy)  # α·E[...], as published
+    assert not bool(torch.isfinite(grad_of(published)))  # S·E[...] = 8e4 overflowed on the way
+
+    log_alpha = torch.tensor(math.log(0.05), dtype=torch.float64, requires_grad=True)
+    gaps = torch.randn(64, dtype=torch.float64) + 2.0
+    (published_grad,) = torch.autograd.grad((log_alpha.exp() * gaps).mean(), log_alpha)
+    (module_grad,) = torch.autograd.grad(log_alpha * (log_alpha.exp().detach() * gaps.mean()), log_alpha)
+    assert float(module_grad) == pytest.approx(float(published_grad), rel=1e-14)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])

@@ -200,8 +200,8 @@ class HAdam(Optimizer):
     to step, the root moments, the weights and the first moments stochastically rounded in one
     call) -- DrQ's critic 170, actor 148, ``log_alpha`` 129 in fp16 (10 fewer each with ``m``
     rounded to nearest) -- and a whole fp16
-    update (critic, actor, temperature and target, forward and backward) 1,221, against fp32's
-    545, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
+    update (critic, actor, temperature and target, forward and backward) 1,216, against fp32's
+    540, as the benchmark counts them (``pixelsac.perf.opcount``, tests/test_op_budget.py). At
     2^18-element chunks the same update at 84×84 dispatched 5,415 (~30 ops a chunk; counted when
     the whole update was 1,465), which is why a GPU takes whole buckets.
 

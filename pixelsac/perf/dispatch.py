@@ -9,7 +9,7 @@ per-tensor loop, the ``copy_`` inside ``_to_copy``) are not counted. A TorchFunc
 miss the reads below the Python API (a 0-dim tensor handed to ``torch._foreach_add_`` picks its
 Scalar overload, which reads the value in C++); a dispatch mode sees them.
 
-Counted so, views make up a third to a half of an update's ops (fp32: 206 of 545), and launch
+Counted so, views make up a third to a half of an update's ops (fp32: 203 of 540), and launch
 nothing; and a foreach op that CUDA cannot run as one multi-tensor kernel runs tensor by tensor.
 So a second figure estimates the **kernels** a GPU launches (:attr:`DispatchCount.kernels`):
 every op once, except views, bare allocations and the profiler's markers (``record_function``
