@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from conftest import TrainedRun, load_tool
@@ -108,6 +109,22 @@ def test_loss_scale_sweep_shows_underflow_overflow_and_the_runs_own_scales(tiny_
         assert batches == 2 and tiny > 5 * largest, (group, tiny, largest)
         assert error["as trained, S=1e+30", group][1] == 0  # every batch overflowed: a skipped step
     assert "The run's loss scales: critic" in out.with_suffix(".md").read_text()
+
+
+def test_a_missing_run_is_one_line_and_exit_2(tmp_path, capsys):
+    assert load_tool("grad_fidelity.py").main([str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "nowhere" in err[0]
+
+
+@pytest.mark.slow
+def test_a_run_whose_replay_is_gone_is_one_line_and_exit_2(tiny_fp16_run: TrainedRun, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_fp16_run.run_dir, run, ignore=shutil.ignore_patterns("replay-*"))
+    for tool in ("grad_fidelity.py", "backward_peaks.py"):
+        assert load_tool(tool).main([str(run)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: cannot read the replay"), err
 
 
 @pytest.mark.parametrize("spec", ["zero", "0", "-4", "inf", "nan"])

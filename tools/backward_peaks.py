@@ -29,11 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from pixelsac import checkpoint as ckpt_io
 from pixelsac.module import LOSSES, SACModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grad_fidelity import load_run, run_scales, shared_noise  # noqa: E402
+from grad_fidelity import RunUnreadable, load_run, losses, run_scales  # noqa: E402
 from table_files import write_table_files  # noqa: E402
 
 
@@ -82,24 +81,10 @@ def loss_peaks(
     module: SACModule, batch: dict[str, torch.Tensor], seed: int, scales: dict[str, float]
 ) -> dict[str, dict[str, Any]]:
     """Per loss: its dtype, the weight peak, the backward's peak and where it formed."""
-    policy, agent = module.precision_policy, module.cfg.agent
-    dtype = policy.param_dtype
-    torch.manual_seed(seed)  # the augmentation's shifts
-    with shared_noise(seed):
-        next_aug = policy.cast_observation(module.augment.copies(batch["next_obs"], agent.aug_target_copies))
-        obs_aug = policy.cast_observation(module.augment.copies(batch["obs"], agent.aug_q_copies))
-        action, reward, not_terminal = (policy.cast_input(batch[k]) for k in ("action", "reward", "not_terminal"))
-        with policy.compute_context():
-            critic_loss, _ = module.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
-            actor_loss, alpha_loss, _ = module.actor_and_alpha_loss(obs_aug[: action.shape[0]])
-    losses = {
-        "critic": (critic_loss, list(module.critic.parameters())),
-        "actor": (actor_loss, list(module.actor.parameters())),
-        "alpha": (alpha_loss, [module.log_alpha]),
-    }
+    dtype = module.precision_policy.param_dtype
     result = {}
-    for name, (loss, params) in losses.items():
-        weight_peak, peak, node = backward_peaks(loss, params, scales[name], dtype)
+    for name, (loss, params) in losses(module, batch, seed).items():
+        weight_peak, peak, node = backward_peaks(loss, list(params.values()), scales[name], dtype)
         result[name] = {"loss_dtype": str(loss.dtype).replace("torch.", ""), "weight_peak": weight_peak,
                         "backward_peak": peak, "node": node}  # fmt: skip
     return result
@@ -115,11 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     try:
         module, replay, checkpoint = load_run(args.run_dir)
-    except (OSError, ckpt_io.CheckpointError) as exc:
+    except RunUnreadable as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # load_run's one line: no replay saved beside the checkpoint
-        print(exc, file=sys.stderr)
         return 2
     if not module.precision_policy.loss_scaling:
         print(f"error: {args.run_dir} was trained without loss scaling; nothing to compare", file=sys.stderr)

@@ -55,8 +55,18 @@ from drq_side_by_side import float64_policy  # noqa: E402
 from table_files import write_table_files  # noqa: E402
 
 
+class RunUnreadable(Exception):
+    """A run directory without a readable ``last.ckpt`` or the replay saved beside it: one line
+    for the user (the tools exit 2)."""
+
+
 def load_run(run_dir: Path) -> tuple[SACModule, ReplaySet, dict[str, Any]]:
-    checkpoint = ckpt_io.load(run_dir, prefer="last")
+    """The module, the replay and the checkpoint of ``run_dir``'s ``last.ckpt``; raises
+    :class:`RunUnreadable` when either cannot be read."""
+    try:
+        checkpoint = ckpt_io.load(run_dir, prefer="last")
+    except (OSError, ckpt_io.CheckpointError) as exc:
+        raise RunUnreadable(str(exc)) from None
     module = SACModule.from_checkpoint(checkpoint)
     cfg = module.cfg
     replay_file = None
@@ -64,8 +74,11 @@ def load_run(run_dir: Path) -> tuple[SACModule, ReplaySet, dict[str, Any]]:
         if isinstance(state, dict) and state.get("replay_file"):
             replay_file = state["replay_file"]
     if replay_file is None:
-        raise SystemExit(f"error: {run_dir}'s last.ckpt names no replay file (checkpoint.save_replay was off)")
-    state = torch.load(run_dir / "checkpoints" / replay_file, map_location="cpu", weights_only=True)
+        raise RunUnreadable(f"{run_dir}'s last.ckpt names no replay file (checkpoint.save_replay was off)")
+    try:
+        state = torch.load(run_dir / "checkpoints" / replay_file, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise RunUnreadable(f"cannot read the replay {replay_file} beside {run_dir}'s last.ckpt: {exc}") from None
     frame_shape = (module.obs_shape[0] // cfg.env.frame_stack, *module.obs_shape[1:])
     replay = ReplaySet(
         len(state["buffers"]), cfg.replay.capacity, frame_shape, np.uint8, cfg.env.frame_stack, module.action_dim
@@ -109,6 +122,28 @@ def _scaled_backward(
         scale /= 2
 
 
+def losses(
+    module: SACModule, batch: dict[str, torch.Tensor], seed: int
+) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Per loss (critic, actor, alpha): the loss on ``batch`` as the module computes it, with the
+    augmentation shifts and policy noise of ``seed`` (:func:`shared_noise`), and the parameters it
+    trains by name."""
+    policy, agent = module.precision_policy, module.cfg.agent
+    torch.manual_seed(seed)  # the augmentation's shifts (integers: the same in every dtype)
+    with shared_noise(seed):
+        next_aug = policy.cast_observation(module.augment.copies(batch["next_obs"], agent.aug_target_copies))
+        obs_aug = policy.cast_observation(module.augment.copies(batch["obs"], agent.aug_q_copies))
+        action, reward, not_terminal = (policy.cast_input(batch[k]) for k in ("action", "reward", "not_terminal"))
+        with policy.compute_context():
+            critic_loss, _ = module.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
+            actor_loss, alpha_loss, _ = module.actor_and_alpha_loss(obs_aug[: action.shape[0]])
+    return {
+        "critic": (critic_loss, {f"critic.{n}": p for n, p in module.critic.named_parameters()}),
+        "actor": (actor_loss, {f"actor.{n}": p for n, p in module.actor.named_parameters()}),
+        "alpha": (alpha_loss, {"log_alpha": module.log_alpha}),
+    }
+
+
 def gradients(
     module: SACModule, batch: dict[str, torch.Tensor], seed: int, scales: dict[str, float] | None = None
 ) -> dict[str, torch.Tensor]:
@@ -118,25 +153,13 @@ def gradients(
     ``scales`` (per loss: ``critic``, ``actor``, ``alpha``) fixes the scale each backward runs at;
     without it, with fp16's loss scaling, each loss is scaled from 2^15 down until its gradients
     are finite (see ``--loss-scale``), and without loss scaling at 1."""
-    policy, agent = module.precision_policy, module.cfg.agent
     search = scales is None
     if scales is None:
-        scales = dict.fromkeys(LOSSES, 2.0**15 if policy.loss_scaling else 1.0)
+        scales = dict.fromkeys(LOSSES, 2.0**15 if module.precision_policy.loss_scaling else 1.0)
     module.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)  # the augmentation's shifts (integers: the same in every dtype)
-    with shared_noise(seed):
-        next_aug = policy.cast_observation(module.augment.copies(batch["next_obs"], agent.aug_target_copies))
-        obs_aug = policy.cast_observation(module.augment.copies(batch["obs"], agent.aug_q_copies))
-        action, reward, not_terminal = (policy.cast_input(batch[k]) for k in ("action", "reward", "not_terminal"))
-        with policy.compute_context():
-            critic_loss, _ = module.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
-        critic_params = {f"critic.{n}": p for n, p in module.critic.named_parameters()}
-        grads = _scaled_backward(critic_loss, critic_params, scales["critic"], search)
-        with policy.compute_context():
-            actor_loss, alpha_loss, _ = module.actor_and_alpha_loss(obs_aug[: action.shape[0]])
-        actor_params = {f"actor.{n}": p for n, p in module.actor.named_parameters()}
-        grads.update(_scaled_backward(actor_loss, actor_params, scales["actor"], search))
-        grads.update(_scaled_backward(alpha_loss, {"log_alpha": module.log_alpha}, scales["alpha"], search))
+    grads: dict[str, torch.Tensor] = {}
+    for name, (loss, params) in losses(module, batch, seed).items():
+        grads.update(_scaled_backward(loss, params, scales[name], search))
     grads["log_alpha"] = grads["log_alpha"].reshape(1)
     return grads
 
@@ -240,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     loss_scales = args.loss_scale or ["largest"]
     torch.set_num_threads(1)
-    module, replay, checkpoint = load_run(args.run_dir)
+    try:
+        module, replay, checkpoint = load_run(args.run_dir)
+    except RunUnreadable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     module.augment.backend = "index"
     judge = copy.deepcopy(module).double()
     judge.precision_policy = dataclasses.replace(float64_policy(module.precision_policy), fp32_accumulate=False)

@@ -72,7 +72,7 @@ from pixelsac.lowp import CompoundLossScaler
 from pixelsac.module import LOSSES, SACModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grad_fidelity import load_run  # noqa: E402
+from grad_fidelity import RunUnreadable, load_run  # noqa: E402
 from lowp_drift import flat  # noqa: E402
 from table_files import write_table_files  # noqa: E402
 
@@ -317,8 +317,8 @@ def resume(run_dir: Path, overrides: list[str]) -> tuple[Any, Any, dict[str, Any
         raise UnfitState(f"{run_dir} is not a run directory (no checkpoints/ in it); give the directory a run wrote")
     try:
         _, replay, checkpoint = load_run(run_dir)
-    except SystemExit as exc:  # load_run's own one-line refusal (no replay saved)
-        raise UnfitState(str(exc.code).removeprefix("error: ")) from None
+    except RunUnreadable as exc:
+        raise UnfitState(str(exc)) from None
     checkpoint = copy.copy(checkpoint)
     if overrides:
         # the saved config with the keys added since it was written, as a resume reads it
