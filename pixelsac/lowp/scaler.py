@@ -373,11 +373,7 @@ class CompoundLossScaler:
             self.count_step(optimizer)
             return taken
         if bool(found_inf.item() > 0):
-            self._record(peaks, skipped=True)
-            self._scale *= self.backoff_factor
-            rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
-            self.clean_steps = 0
-            self.skipped_steps += 1
+            self._skip(optimizer, peaks)
             return False
 
         optimizer.step()
@@ -385,11 +381,7 @@ class CompoundLossScaler:
             # The gradients were finite but the optimizer state they lead to is not (hAdam's root
             # moment past the dtype's range): the optimizer did not apply the step, and a smaller
             # scale is the cure, exactly as for an overflowing gradient.
-            self._record(peaks, skipped=True)
-            self._scale *= self.backoff_factor
-            rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
-            self.clean_steps = 0
-            self.skipped_steps += 1
+            self._skip(optimizer, peaks)
             return False
         self._record(peaks, skipped=False, peak=peak)
         self.taken_steps += 1
@@ -508,6 +500,15 @@ class CompoundLossScaler:
             self._skipped_peaks = torch.zeros_like(peaks)
             if self.headroom_growth:
                 self._interval_peak = torch.zeros((), dtype=peaks.dtype, device=peaks.device)
+
+    def _skip(self, optimizer: Optimizer, peaks: torch.Tensor | None) -> None:
+        """A skip decided on the host: record it, ``S *= backoff_factor``, and rescale what the
+        optimizer holds in ×S units (its moments, ε) by the same factor."""
+        self._record(peaks, skipped=True)
+        self._scale *= self.backoff_factor
+        rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
+        self.clean_steps = 0
+        self.skipped_steps += 1
 
     def _record(self, peaks: torch.Tensor | None, skipped: bool, peak: torch.Tensor | None = None) -> None:
         """Keep the step's peaks when it was skipped, its largest peak (``peak``: ``peaks.max()``
