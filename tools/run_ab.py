@@ -7,7 +7,7 @@ Each round runs ``pixelsac-train`` once with the shared ``key=value`` arguments 
 with ``--b``'s (``--a`` first in odd rounds, ``--b`` first in even ones), one run at a time, each in
 a fresh run directory under ``--work`` (a temporary folder unless given). A shared machine's speed
 drifts; runs that alternate see the same drift, so the ratio of a round holds where two absolute
-times from two sessions would not. Per run: the fit's wall time and env frames/s from its summary
+times from two separate runs would not. Per run: the fit's wall time and env frames/s from its summary
 (start-up and evaluation included), and the steady rate (the median of the logged
 ``perf/env_frames_per_s`` over the later half of the run's log intervals). The table gives each
 round's B ÷ A and their median; ``--out`` writes ``OUT.md`` / ``OUT.json``. A run that fails stops
