@@ -205,8 +205,10 @@ def start_lines(run: Any) -> list[str]:
 def _fit(run: Any, resume_from: Path | None, resume_frames: int | None, resume: Any, say: Any) -> None:
     """Announce the run and fit it; a numerical failure leaves ``failure.json`` behind."""
     from pixelsac.precision import NumericalFailure
+    from pixelsac.provenance import code_version, describe
 
     say(f"run directory: {run.run_dir}")
+    say(f"code: {describe(code_version())}")
     if resume is not None:
         say(resume.describe())
     elif resume_from is not None:

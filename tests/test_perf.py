@@ -464,6 +464,9 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
         "saved_tensors_hooks",
     ):
         assert what in markdown
+    # the code that wrote it: the package and the libraries, in the file and in its table
+    assert summary["code"]["pixelsac"] and summary["code"]["torch"] == torch.__version__
+    assert f"pixelsac {summary['code']['pixelsac']}" in markdown
     printed = capsys.readouterr().out
     assert "perf summary:" in printed and "fp32 reference" in printed and "resident-set" in printed
 
