@@ -106,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     if not module.precision_policy.loss_scaling:
         print(f"error: {args.run_dir} was trained without loss scaling; nothing to compare", file=sys.stderr)
         return 2
-    module.augment.backend = "index"
     scales = run_scales(checkpoint)
     dtype = module.precision_policy.param_dtype
     largest = torch.finfo(dtype).max

@@ -57,6 +57,7 @@ if str(REPO) not in sys.path:
 
 from pixelsac import lifeline  # noqa: E402  (the repository is on sys.path from here)
 from pixelsac.config import SIX as SWITCHES  # noqa: E402
+from pixelsac.provenance import git_state  # noqa: E402
 
 MODES: dict[str, list[str]] = {
     "fp32": ["precision=fp32"],
@@ -312,20 +313,10 @@ def train_command(args: Sequence[str]) -> list[str]:
 
 def code_version() -> str:
     """The commit the runs train with (``+ uncommitted changes`` when the tree differs from it)."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+    commit, changed = git_state(REPO)
+    if commit is None:
         return "unknown (not a git checkout)"
-    return commit + (" + uncommitted changes" if dirty else "")
+    return commit[:7] + (" + uncommitted changes" if changed else "")
 
 
 def hardware_line() -> str:

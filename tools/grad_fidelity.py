@@ -62,12 +62,14 @@ class RunUnreadable(Exception):
 
 def load_run(run_dir: Path) -> tuple[SACModule, ReplaySet, dict[str, Any]]:
     """The module, the replay and the checkpoint of ``run_dir``'s ``last.ckpt``; raises
-    :class:`RunUnreadable` when either cannot be read."""
+    :class:`RunUnreadable` when either cannot be read. The module shifts by index, whose integer
+    shifts are the same in every dtype, so a float64 copy of it sees the same pixels."""
     try:
         checkpoint = ckpt_io.load(run_dir, prefer="last")
     except (OSError, ckpt_io.CheckpointError) as exc:
         raise RunUnreadable(str(exc)) from None
     module = SACModule.from_checkpoint(checkpoint)
+    module.augment.backend = "index"
     cfg = module.cfg
     replay_file = None
     for state in checkpoint.get("callbacks", {}).values():
@@ -268,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     except RunUnreadable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    module.augment.backend = "index"
     judge = copy.deepcopy(module).double()
     judge.precision_policy = dataclasses.replace(float64_policy(module.precision_policy), fp32_accumulate=False)
     if args.judge_pixels == "as-run":
