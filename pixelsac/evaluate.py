@@ -54,7 +54,7 @@ def parse_options(argv: Sequence[str]) -> EvalOptions:
         argv,
         nullable={"checkpoint": str, "seed": int, "video_camera": int, "out_dir": str},
         lower_bounds={"episodes": 1, "video_size": 1, "seed": 0, "video_camera": 0},
-        choices={"prefer": ("best", "last")},
+        choices={"prefer": ("best", "last"), "arithmetic": ("trained", "fp32", "fp64")},
         verbatim=("checkpoint", "out_dir", "device"),  # paths and names keep their text
         untyped=("video_episodes",),
     )

@@ -45,13 +45,19 @@ class EvalOptions:
     overwrite: bool = False
     device: str = "auto"
     trust_checkpoint: bool = False
+    arithmetic: str = "trained"  # trained | fp32 | fp64: the dtype the policy acts in
 
 
 # --- loading --------------------------------------------------------------------------------------
-def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -> Any:
+def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any, arithmetic: str = "trained") -> Any:
     """The checkpoint's SACModule, in eval mode on ``device``, with its precision policy resolved
     for that device (a run trained on a GPU evaluated on a CPU gets the CPU's compute path) and
-    that policy's process-wide numerics set (TF32 only with ``perf.tf32``), as in training."""
+    that policy's process-wide numerics set (TF32 only with ``perf.tf32``), as in training.
+
+    ``arithmetic`` ``"fp32"`` or ``"fp64"``: the same weights widened exactly to that dtype (every
+    fp16, bf16 and fp32 value is one in float32 and float64), acting without the 16-bit
+    emulation (:meth:`pixelsac.precision.PrecisionPolicy.widened`): whatever differs from
+    ``"trained"`` is the acting arithmetic's, not the weights'."""
 
     from pixelsac.module import SACModule
     from pixelsac.precision import PrecisionPolicy, nonfinite_names
@@ -73,6 +79,9 @@ def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -
         ) from exc
     module = module.to(device)
     module.precision_policy = PrecisionPolicy.from_config(module.cfg, device.type)
+    if arithmetic != "trained":
+        module.precision_policy = module.precision_policy.widened(arithmetic)
+        module = module.to(module.precision_policy.param_dtype)
     # as in training (SACModule.setup): an fp32 agent on CUDA runs IEEE fp32, not cuDNN's default TF32
     module.precision_policy.apply_global_numerics()
     return module.eval()
@@ -142,7 +151,7 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
     checkpoint_file = resolve(options.checkpoint, options.prefer).resolve()
     checkpoint = load(checkpoint_file, map_location="cpu", trust=options.trust_checkpoint)
     config = checkpoint["hyper_parameters"]["config"]
-    module = load_agent(checkpoint_file, checkpoint, device)
+    module = load_agent(checkpoint_file, checkpoint, device, options.arithmetic)
     seed = options.seed if options.seed is not None else int(config.get("seed", 0)) + EVAL_SEED_OFFSET
     env = make_env(config, seed)
     try:
@@ -294,6 +303,7 @@ def _results(
         "env_frames": counters["env_frames"],
         "updates": counters["updates"],
         "precision": config.get("precision"),
+        "arithmetic": options.arithmetic,  # trained: as trained; fp32 / fp64: the weights widened to act
         "lowp": {name: bool(getattr(policy, name)) for name in (*SIX, *beyond_six)},
         "training_seed": config.get("seed"),
         "seed": seed,

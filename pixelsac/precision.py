@@ -64,6 +64,8 @@ from pixelsac import lowp
 from pixelsac.config import SIX  # the six switch names: one list, the config's
 
 _PARAM_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "amp": torch.float32}
+#: the wide arithmetics a trained agent can be judged or evaluated in (:meth:`PrecisionPolicy.widened`)
+WIDE_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 _MODE_DEFAULTS = {
     "fp32": dict.fromkeys(SIX, False),
     "fp16": dict.fromkeys(SIX, True),
@@ -260,7 +262,16 @@ class PrecisionPolicy:
     @property
     def param_dtype(self) -> torch.dtype:
         """The dtype of every parameter, target copy and optimizer state tensor."""
-        return _PARAM_DTYPE[self.mode]
+        return _PARAM_DTYPE[self.mode] if self.mode in _PARAM_DTYPE else WIDE_DTYPES[self.mode]
+
+    def widened(self, mode: str) -> PrecisionPolicy:
+        """This policy computing in a wide dtype (``"fp32"`` or ``"fp64"``, :data:`WIDE_DTYPES`)
+        with every switch kept: the arithmetic of a float64 judge, or of an agent trained in 16
+        bits whose weights are widened exactly to act (``pixelsac-evaluate arithmetic=...``).
+        Nothing is emulated or split: ``fp32_accumulate`` and split-K apply to 16-bit storage."""
+        if mode not in WIDE_DTYPES:
+            raise ValueError(f"widened() takes {' or '.join(WIDE_DTYPES)}, not {mode!r}")
+        return dataclasses.replace(self, mode=mode, fp32_accumulate=False, split_k_chunk=None)
 
     @property
     def is_pure_low(self) -> bool:

@@ -5,6 +5,7 @@ and nothing written."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import fractions
 import json
 import math
@@ -23,6 +24,7 @@ from pixelsac import evaluate as ev
 from pixelsac import video
 from pixelsac.checkpoint import FORMAT_VERSION
 from pixelsac.collect import run_episodes
+from pixelsac.config import ConfigError
 from pixelsac.envs import DMCEnv
 
 STEPS_PER_EPISODE = 64 // 8  # env.episode_frames / cartpole_swingup's action repeat
@@ -418,3 +420,35 @@ def test_a_results_file_that_cannot_be_written_whole_is_not_left_half_written(ru
     with pytest.raises(OSError):
         ev.evaluate(options, out=lambda line: None)
     assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("arithmetic, dtype", [("fp32", torch.float32), ("fp64", torch.float64)])
+def test_widened_arithmetic_acts_with_the_same_weights_exactly_widened(run16, arithmetic, dtype):
+    """arithmetic=fp32/fp64: every weight is the fp16 value widened (exactly), the policy acts in that
+    dtype without the 16-bit emulation, and its actions differ from fp16's only by acting's rounding."""
+    file = run16 / "checkpoints" / "best.ckpt"
+    checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    trained = ev.load_agent(file, checkpoint, torch.device("cpu"))
+    wide = ev.load_agent(file, checkpoint, torch.device("cpu"), arithmetic)
+    assert {p.dtype for p in wide.parameters()} == {dtype}
+    assert wide.precision_policy.param_dtype == dtype and not wide.precision_policy.fp32_accumulate
+    for (name, p16), (_, pw) in zip(trained.named_parameters(), wide.named_parameters()):
+        assert torch.equal(p16.to(dtype), pw), name
+    env = ev.make_env(checkpoint["hyper_parameters"]["config"], seed=3)
+    try:
+        obs = env.reset().obs[None]
+    finally:
+        env.close()
+    a16, aw = trained.act(obs, False), wide.act(obs, False)
+    assert np.isfinite(aw).all() and np.abs(aw - a16).max() < 2e-2
+    if dtype == torch.float64:  # fp16's acting rounds: the widened policy's action is not fp16's
+        assert not np.array_equal(a16, aw)
+
+
+def test_evaluation_records_its_arithmetic_and_refuses_unknown_ones(run16, tmp_path):
+    options = ev.parse_options([f"checkpoint={run16}", "episodes=1", "video=false", "arithmetic=fp64"])
+    assert options.arithmetic == "fp64"
+    results = ev.evaluate(dataclasses.replace(options, out_dir=str(tmp_path / "e")), out=lambda line: None).results
+    assert results["arithmetic"] == "fp64" and results["precision"] == "fp16"
+    with pytest.raises(ConfigError, match="arithmetic"):
+        ev.parse_options([f"checkpoint={run16}", "arithmetic=fp8"])
