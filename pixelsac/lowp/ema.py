@@ -266,6 +266,36 @@ class KahanEMA(nn.Module):
             self._fresh = True
         self.register_load_state_dict_post_hook(_after_load)
 
+    @torch.no_grad()
+    def start_from_(self, average: list[torch.Tensor], target_updates: int) -> None:
+        """Continue from an average ``θ̄`` held in a wider dtype (one tensor per name of
+        :attr:`param_names`, e.g. an fp32 run's target critic), ``target_updates`` updates into it.
+
+        Exactly as at construction, but from ``θ̄`` instead of ``θ``: each shift from the tensor's
+        peak (adaptive scale), ``θ̄_S = K_i·θ̄`` in float32 and rounded once into the dtype, ``c = 0``;
+        the target counts as updated. The stored target (without ``derived_target``) is ``θ̄``
+        rounded once.
+        """
+        if len(average) != len(self.param_names):
+            raise ValueError(f"KahanEMA: {len(average)} tensors for {len(self.param_names)} parameters")
+        if self.compensated:
+            scaled, comps = self._buffers_in_order()
+            if self.adaptive_scale:
+                peaks = torch.stack([value.detach().abs().amax().float() for value in average])
+                self.scale_shifts.copy_(self._shifts_for(peaks.to(self.scale_shifts.device), scaled[0].dtype))
+            for buffer, comp, value, factor in zip(scaled, comps, average, self.tensor_scales().tolist()):
+                buffer.copy_((value.detach().float() * factor).to(buffer.dtype))
+                comp.zero_()
+            self.target_updates.fill_(int(target_updates))
+            self.first_nonfinite.fill_(-1)
+            self.check_finite()
+        if self.derived_target:
+            self.updates_applied.fill_(1)
+            self._fresh = False
+        else:
+            for (_, target), value in zip(self._networks[1].named_parameters(), average):
+                target.copy_(value)
+
     @property
     def source(self) -> nn.Module:
         return self._networks[0]
