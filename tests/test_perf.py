@@ -467,6 +467,8 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
     # the code that wrote it: the package and the libraries, in the file and in its table
     assert summary["code"]["pixelsac"] and summary["code"]["torch"] == torch.__version__
     assert f"pixelsac {summary['code']['pixelsac']}" in markdown
+    # the long-K products' path: the tiny agent's K = 100 is below the default chunk, so none split
+    assert summary["split_k"] == "off" and "split-K products" in markdown
     printed = capsys.readouterr().out
     assert "perf summary:" in printed and "fp32 reference" in printed and "resident-set" in printed
 

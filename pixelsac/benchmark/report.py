@@ -60,6 +60,7 @@ CSV_COLUMNS = (
     "batch_size",
     "device",
     "compute",
+    "split_k",
     "emulated",
     "emulation",
     "updates",
