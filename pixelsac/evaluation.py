@@ -54,7 +54,7 @@ def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -
     that policy's process-wide numerics set (TF32 only with ``perf.tf32``), as in training."""
 
     from pixelsac.module import SACModule
-    from pixelsac.precision import PrecisionPolicy, nonfinite_names
+    from pixelsac.precision import nonfinite_names
 
     non_finite = nonfinite_names(checkpoint["state_dict"])
     if non_finite:
@@ -72,9 +72,9 @@ def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any) -
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from exc
     module = module.to(device)
-    module.precision_policy = PrecisionPolicy.from_config(module.cfg, device.type)
-    # as in training (SACModule.setup): an fp32 agent on CUDA runs IEEE fp32, not cuDNN's default TF32
-    module.precision_policy.apply_global_numerics()
+    # as in training (SACModule.setup): IEEE fp32 on CUDA unless perf.tf32, split-K and the layout
+    # of the device, so the evaluation's forward pass is the one act() ran in training
+    module.use_device(device.type)
     return module.eval()
 
 

@@ -436,11 +436,28 @@ def test_stripping_a_wheel_drops_the_folders_and_their_record_lines(tmp_path):
         assert z.read("dm_control-1.0.dist-info/RECORD").decode() == "dm_control/suite/cartpole.py,sha256=a,1\n"
 
 
-def test_install_takes_only_the_wheels_the_machine_lacks(tmp_path):
-    for name in ("numpy-1.0-py3-none-any.whl", "no_such_project_here-1.0-py3-none-any.whl"):
+def test_install_takes_the_wheels_the_machine_lacks_or_has_in_another_version(tmp_path):
+    """By name alone an older kornia, omegaconf or mujoco already on the machine won over the
+    pinned wheel: a wheel is installed unless the machine has its project in its version."""
+    numpy_version = importlib.metadata.version("numpy")
+    names = (
+        f"numpy-{numpy_version}-py3-none-any.whl",  # the same version: the machine's stays
+        "kornia-0.0.1-py3-none-any.whl",  # another version: replaced
+        "no_such_project_here-1.0-py3-none-any.whl",  # missing
+    )
+    for name in names:
         (tmp_path / name).write_bytes(b"")
-    assert [w.name for w in gpu_wheels.missing_wheels(tmp_path)] == ["no_such_project_here-1.0-py3-none-any.whl"]
+    chosen = [(w.name, old) for w, old in gpu_wheels.wheels_to_install(tmp_path)]
+    assert chosen == [(names[1], importlib.metadata.version("kornia")), (names[2], None)]
     assert gpu_wheels.main(["--python-version", "twelve"]) == 2
+
+
+def test_lightning_travels_in_the_version_tested_here():
+    """GradientAverage relies on lightning's strategy internals: the machine's lightning is
+    replaced when its version differs from the one tested here (and with it its two packages)."""
+    listed = dict(map(pinned, gpu_wheels.WHEELS))
+    for name in ("lightning", "lightning-utilities", "torchmetrics"):
+        assert listed[name] == importlib.metadata.version(name), name
 
 
 LEARN_SCRIPT = REPO / "tools" / "gpu_learn.sh"
