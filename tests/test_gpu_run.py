@@ -340,12 +340,23 @@ def _gate_cases(**outcomes: str) -> dict[str, str]:
     ],
 )
 def test_graphs_are_timed_only_where_the_gate_showed_them_equal_to_eager(tmp_path, cases, verdict, capsys):
-    """The gate reads its own XML (graphs.xml), written by a part that runs the graph test alone."""
+    """The gate reads its own XML, written by a part that runs the graph test alone: every mode
+    but the compiled optimizer's in graphs.xml, that one in graphs_compiled.xml."""
     if cases is not None:
-        _junit(tmp_path / "graphs.xml", cases)
+        compiled = {k: v for k, v in cases.items() if k.endswith("[fp16-compiled]")}
+        _junit(tmp_path / "graphs.xml", {k: v for k, v in cases.items() if k not in compiled})
+        _junit(tmp_path / "graphs_compiled.xml", compiled)
     _junit(tmp_path / "gpu_tests.xml", {"test_a_compile_heavy_one": "failure"})  # not the gate's business
     assert gpu_report.gate(tmp_path)[0] == verdict
     assert gpu_report.main(["gate", str(tmp_path)]) == 0 and capsys.readouterr().out.strip() == verdict
+
+
+def test_a_compiled_gate_case_cut_by_the_limit_costs_only_its_own_verdict(tmp_path):
+    """The compiled optimizer's case runs second, into its own XML: cut by the part's limit (no
+    graphs_compiled.xml), the other modes' graphs are still timed and compiled cells run eagerly."""
+    _junit(tmp_path / "graphs.xml", {k: v for k, v in _gate_cases().items() if "compiled" not in k})
+    verdict, said = gpu_report.gate(tmp_path)
+    assert verdict == "on-uncompiled" and "6 of 6 modes" in said
 
 
 def test_the_gate_is_a_short_part_of_its_own_and_compile_heavy_tests_come_after_the_measurements():
@@ -356,8 +367,10 @@ def test_the_gate_is_a_short_part_of_its_own_and_compile_heavy_tests_come_after_
     assert list(plan_steps(goals))[0] == "graphs" and spare_parts(goals)[-1] == "gpu_tests"
     assert list(plan_steps(plan().stdout))[0] == "graphs" and spare_parts(plan().stdout)[-1] == "gpu_tests"
     text = SCRIPT.read_text()
-    gate_call = next(line for line in text.splitlines() if line.strip().startswith("part graphs "))
-    assert '--junitxml="$WORK/graphs.xml" "$GRAPH_TEST"' in gate_call and " tests" not in gate_call
+    gate_call = text[text.index("part graphs ") :].split("\n\n")[0].split("fi\n")[0]
+    assert "-k 'not fp16-compiled' --junitxml='$WORK/graphs.xml' '$GRAPH_TEST'" in gate_call
+    assert "--junitxml='$WORK/graphs_compiled.xml' '$GRAPH_TEST[fp16-compiled]'" in gate_call  # its own XML
+    assert " tests" not in gate_call
     assert "GRAPH_TEST=tests/test_graphs.py::test_real_cuda_graphs_equal_eager_updates_on_a_gpu" in text
     rest = next(line for line in text.splitlines() if line.strip().startswith("part gpu_tests "))
     assert "gpu_tests.xml" in text and '--deselect "$GRAPH_TEST"' in text and "tests" in rest
@@ -701,7 +714,8 @@ def _mock_python(tmp_path: Path) -> Path:
     MOCK_GATE_SLEEP seconds, every mode passing); everything else (the benchmarks) runs."""
     mock = tmp_path / "bin" / "python"
     mock.parent.mkdir()
-    cases = "".join(f'<testcase name="{gpu_report.GRAPH_TEST}[{m}]"></testcase>' for m in GATE_MODES)
+    cases = "".join(f'<testcase name="{gpu_report.GRAPH_TEST}[{m}]"></testcase>' for m in GATE_MODES[:-1])
+    compiled = f'<testcase name="{gpu_report.GRAPH_TEST}[{GATE_MODES[-1]}]"></testcase>'
     mock.write_text(
         f"""#!/usr/bin/env bash
 real={sys.executable}
@@ -713,7 +727,8 @@ case " $* " in
   *" -m pytest "*)
     for a in "$@"; do case $a in --junitxml=*) xml=${{a#--junitxml=}} ;; esac; done
     [[ "$xml" == */graphs.xml ]] && sleep "${{MOCK_GATE_SLEEP:-0}}"
-    echo '<?xml version="1.0"?><testsuites><testsuite>{cases}</testsuite></testsuites>' > "$xml"
+    body='{cases}'; [[ "$xml" == */graphs_compiled.xml ]] && body='{compiled}'
+    echo "<?xml version=\"1.0\"?><testsuites><testsuite>$body</testsuite></testsuites>" > "$xml"
     exit 0 ;;
 esac
 exec "$real" "$@"
@@ -728,7 +743,8 @@ def test_a_goals_call_rehearsed_on_the_cpu_keeps_its_goals_when_the_gate_hangs(t
     """The whole GOALS=1 call on the CPU, the GPU steps mocked: the gate hangs past its limit
     (as a cold compile inside it would), triton cannot compile. The gate is cut and reported
     timed out, graphs are off, and both goals parts still measure (eagerly) every goal mode but
-    the dropped compiled one; the spare GPU-test part does not fit and is skipped; the call ends
+    the dropped compiled one; the end-to-end run (tiny, 2 environments) runs without the
+    compiled optimizer; the spare GPU-test part does not fit and is skipped; the call ends
     within TOTAL and its last output is the brief (<= 15 lines) saying all of it."""
     out, work = tmp_path / "out", tmp_path / "work"
     total = 1500
@@ -748,7 +764,10 @@ def test_a_goals_call_rehearsed_on_the_cpu_keeps_its_goals_when_the_gate_hangs(t
         T_GOAL512="400",
         T_GOAL128="400",
         T_TESTS=str(total),  # spare: never fits
-        FAST_FRAMES="0",
+        T_FAST_GOALS="600",
+        FAST_FRAMES="800",
+        GOALS_ENVS="2",
+        FAST_ARGS="preset=tiny train.num_threads=1 train.eval_in_worker=false train.log_every_updates=5",
         N_GOALS="1",
         WARMUP="0",
         BENCH_ARGS="env.image_size=24 agent.num_filters=4 agent.feature_dim=8 agent.hidden_dim=16 "
@@ -762,7 +781,7 @@ def test_a_goals_call_rehearsed_on_the_cpu_keeps_its_goals_when_the_gate_hangs(t
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     status = {s["part"]: s for s in gpu_report.read_status(work)}
     assert (status["graphs"]["state"], status["graphs"]["rc"]) == ("timed out", "124")
-    assert status["goals512"]["state"] == status["goals128"]["state"] == "ok"
+    assert status["goals512"]["state"] == status["goals128"]["state"] == status["fast"]["state"] == "ok"
     assert status["gpu_tests"]["state"] == "skipped" and "goals_eager" not in status  # graphs off: no eager part
     rows = gpu_report.goal_rows(work)
     assert {(m, b) for m, b, _ in rows} == {(m, b) for m in ("fp32", "fp16", "bf16") for b in (512, 128)}
@@ -772,6 +791,8 @@ def test_a_goals_call_rehearsed_on_the_cpu_keeps_its_goals_when_the_gate_hangs(t
     assert "torch " in brief[0] and "batch 512 eager" in text and "batch 128 eager" in text
     assert "cut: graphs timed out; gpu_tests skipped" in text and "CUDA graphs off" in text
     assert "dropped: fp16-compiled cells" in text
+    assert re.search(r"end to end: [\d,]+ env frames/s \(>= 800: not met; fast_fp16 \(2 environments\)\)", text), text
+    assert "compile_optimizer: false" in (work / "fast_fp16" / "config.yaml").read_text()
     report = (out / "report.md").read_text()
     assert report.startswith("# pixelsac on a GPU") and "## In brief" in report
     assert (out / "brief.txt").read_text().splitlines() == brief
