@@ -70,16 +70,12 @@ def _build(config: dict[str, Any], obs_shape: tuple[int, ...], action_dim: int, 
     from pixelsac import cli
     from pixelsac.config import from_plain
     from pixelsac.module import SACModule
-    from pixelsac.nets import apply_speed_options
-    from pixelsac.precision import PrecisionPolicy
 
     cfg = from_plain(config)
     env = cli.env_from_config(cfg, seed)
     module = SACModule(config, obs_shape, action_dim)
     # what SACModule.setup does for a CPU run (the layout decides the conv kernels, hence the bits)
-    module.precision_policy = PrecisionPolicy.from_config(module.cfg, "cpu")
-    if module.precision_policy.channels_last:
-        apply_speed_options(module, True, False)
+    module.use_device("cpu")
     return env, module.eval()
 
 

@@ -60,7 +60,7 @@ def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any, a
     ``"trained"`` is the acting arithmetic's, not the weights'."""
 
     from pixelsac.module import SACModule
-    from pixelsac.precision import PrecisionPolicy, nonfinite_names
+    from pixelsac.precision import nonfinite_names
 
     non_finite = nonfinite_names(checkpoint["state_dict"])
     if non_finite:
@@ -78,12 +78,14 @@ def load_agent(checkpoint_file: Path, checkpoint: dict[str, Any], device: Any, a
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from exc
     module = module.to(device)
-    module.precision_policy = PrecisionPolicy.from_config(module.cfg, device.type)
+    # as in training (SACModule.setup): IEEE fp32 on CUDA unless perf.tf32, split-K and the layout
+    # of the device, so the evaluation's forward pass is the one act() ran in training
+    module.use_device(device.type)
     if arithmetic != "trained":
         module.precision_policy = module.precision_policy.widened(arithmetic)
+        module.precision_policy.apply_global_numerics()
+        module.precision_policy.configure_split_k(module)  # no split-K in a wide dtype
         module = module.to(module.precision_policy.param_dtype)
-    # as in training (SACModule.setup): an fp32 agent on CUDA runs IEEE fp32, not cuDNN's default TF32
-    module.precision_policy.apply_global_numerics()
     return module.eval()
 
 

@@ -143,23 +143,26 @@ class SACModule(L.LightningModule):
         return module.eval()
 
     # --- Lightning plumbing ---------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        device_type = self.trainer.strategy.root_device.type
+    def use_device(self, device_type: str) -> None:
+        """What the device decides about the networks' forward pass: the precision policy for it,
+        its process-wide numerics (TF32 only when asked for, perf.tf32), split-K's chunk and the
+        layout (perf.channels_last). Training (:meth:`setup`), evaluation and the evaluation worker
+        all call it, so an evaluation acts with the forward pass training's ``act()`` used."""
         self.precision_policy = PrecisionPolicy.from_config(self.cfg, device_type)
-        self.precision_policy.apply_global_numerics()  # TF32 only when asked for (perf.tf32)
+        self.precision_policy.apply_global_numerics()
         self.precision_policy.configure_split_k(self)
+        if self.precision_policy.channels_last:
+            apply_speed_options(self, True, False)
+
+    def setup(self, stage: str) -> None:
+        self.use_device(self.trainer.strategy.root_device.type)
         for name in LOSSES:
             self.scalers[name] = self.precision_policy.make_scaler()
         self.target_updater.check_every_update = not self.precision_policy.sync_free
         perf = self.cfg.perf
         self.augment.backend = perf.get("aug_backend")  # None: per device (augment.default_backend)
-        if self.precision_policy.channels_last or perf.get("compile"):
-            apply_speed_options(
-                self,
-                self.precision_policy.channels_last,
-                bool(perf.get("compile")),
-                perf.get("compile_mode") or "default",
-            )
+        if perf.get("compile"):  # the layout is use_device's
+            apply_speed_options(self, False, True, perf.get("compile_mode") or "default")
         if perf.get("cuda_graphs"):
             self.update_graphs = UpdateGraphs(self, warmup_updates=int(perf.get("graph_warmup_updates", 3)))
 

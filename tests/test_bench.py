@@ -380,3 +380,15 @@ def test_a_report_write_that_fails_leaves_the_previous_reports_whole(tmp_path, m
     with pytest.raises(OSError):
         report.chart(rows, plan.out / "bench.png", "title")
     assert {p.name: p.read_bytes() for p in plan.out.iterdir()} == before
+
+
+def test_each_row_says_which_path_the_split_k_products_took(tmp_path):
+    """A split projection (the tiny agent's K = 100 in chunks of 25) runs on a CPU as fp32 copies,
+    and the row says so with the reason; fp32 splits nothing ("off"). On a GPU the row says
+    mixed_gemm, or fp32_copies with the failure that ruled the mixed GEMM out."""
+    out = tmp_path / "bench"
+    args = ["bench.modes=fp32,fp16", "perf.split_k=25", "bench.isolate=false", f"bench.out={out}"]
+    assert bench.main([*TINY, *args]) == 0
+    rows = {r["mode"]: r for r in csv.DictReader((out / "bench.csv").open())}
+    assert rows["fp32"]["split_k"] == "off"
+    assert rows["fp16"]["split_k"] == "fp32_copies (no mixed-dtype GEMM on a CPU)"

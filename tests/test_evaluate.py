@@ -452,3 +452,30 @@ def test_evaluation_records_its_arithmetic_and_refuses_unknown_ones(run16, tmp_p
     assert results["arithmetic"] == "fp64" and results["precision"] == "fp16"
     with pytest.raises(ConfigError, match="arithmetic"):
         ev.parse_options([f"checkpoint={run16}", "arithmetic=fp8"])
+
+
+def test_an_evaluation_on_a_gpu_acts_with_the_forward_pass_training_used(tmp_path, global_numerics, monkeypatch):
+    """pixelsac-evaluate on CUDA left split-K and channels-last out, so its forward pass differed
+    from the one act() ran in training: loading now gives the module what SACModule.setup gives it
+    on that device (SACModule.use_device). Checked on a CPU by resolving for a CUDA device
+    without moving the weights: an fp16 agent's projection gets CUDA's split-K chunk (2,048) and
+    its convolutions the channels-last layout."""
+    import types
+
+    from pixelsac.lowp import SplitKLinear
+    from pixelsac.module import SACModule
+
+    file, checkpoint = _handmade_checkpoint(tmp_path, "precision=fp16")
+    real_to = SACModule.to
+
+    def layout_only(self, *args, **kwargs):  # no move to the device, the layout kept
+        return real_to(self, memory_format=kwargs["memory_format"]) if "memory_format" in kwargs else self
+
+    monkeypatch.setattr(SACModule, "to", layout_only)
+    module = ev.load_agent(file, checkpoint, types.SimpleNamespace(type="cuda"))
+    layers = [m for m in module.modules() if isinstance(m, SplitKLinear)]
+    assert layers and all(layer.split_chunk == 2048 for layer in layers)
+    assert module.precision_policy.channels_last
+    convs = [m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert not all(w.is_contiguous() for w in convs)

@@ -43,19 +43,46 @@ class ReplayByCalling:
 
 SYNC_FREE = ["perf.sync_free=true", "perf.aug_backend=index", "lowp.growth_interval=3", "train.log_every_updates=5"]
 
+#: The test agent's encoder projection: K = 4 filters x 5 x 5 at 24 px (the full agent's is 39,200).
+TEST_AGENT_K = 100
 #: What the graph checks cover: the modes a GPU run may capture, with either random-shift backend.
 #: Each comes after SYNC_FREE, so "perf.aug_backend=kornia" replaces its index shift; fp16-six is
-#: the benchmark's "the six as published" (pixelsac.benchmark.plan.MODES).
+#: the benchmark's "the six as published" (pixelsac.benchmark.plan.MODES). fp16-splitk splits the
+#: projection (a chunk below the test agent's K: the default chunk, 2,048, never splits it), as
+#: every fp16/bf16 GPU run does; fp16-compiled is the goals' compiled optimizer
+#: (perf.compile_optimizer), last, since triton compiles its step first on a GPU.
 GRAPH_MODES = {
     "fp16": ["precision=fp16"],
     "fp32": ["precision=fp32"],
     "fp16-kornia": ["precision=fp16", "perf.aug_backend=kornia"],
     "bf16": ["precision=bf16"],
     "fp16-six": list(MODES["fp16-six"].overrides),
+    "fp16-splitk": ["precision=fp16", f"perf.split_k={TEST_AGENT_K // 4}"],
+    "fp16-compiled": list(MODES["fp16-compiled"].overrides),
 }
 
 
-@pytest.mark.parametrize("precision", list(GRAPH_MODES))
+def test_the_gate_covers_what_the_gpu_run_times():
+    """The goals time fp16-compiled with graphs, the end-to-end run graphs the compiled optimizer,
+    and every fp16/bf16 GPU update splits its projection: the gate's modes must reach each."""
+    assert "perf.compile_optimizer=true" in GRAPH_MODES["fp16-compiled"]
+    module = make_module(*GRAPH_MODES["fp16-splitk"])
+    from pixelsac.lowp import SplitKLinear, split_count
+
+    layers = [m for m in module.modules() if isinstance(m, SplitKLinear)]
+    assert layers and all(layer.in_features == TEST_AGENT_K for layer in layers)
+    assert all(layer.split_chunk and split_count(layer.in_features, layer.split_chunk) == 4 for layer in layers)
+    assert list(GRAPH_MODES)[-1] == "fp16-compiled"  # a slow compile cannot hide the other modes' verdicts
+
+
+#: GRAPH_MODES for the CPU's stand-in checks: the compiled optimizer compiles with inductor's C++
+#: backend here, minutes on a busy 2-core machine, so that case is marked slow.
+CPU_GRAPH_MODES = [
+    pytest.param(name, marks=pytest.mark.slow) if name == "fp16-compiled" else name for name in GRAPH_MODES
+]
+
+
+@pytest.mark.parametrize("precision", CPU_GRAPH_MODES)
 def test_replayed_updates_equal_eager_updates(precision):
     batches = [make_batch(seed=i) for i in range(14)]
     torch.manual_seed(0)
@@ -97,7 +124,7 @@ class CountingReplays(ReplayByCalling):
         self.counts.append(count)
 
 
-@pytest.mark.parametrize("precision", list(GRAPH_MODES))
+@pytest.mark.parametrize("precision", CPU_GRAPH_MODES)
 def test_the_recorded_update_reads_nothing_on_the_host(precision):
     """What capture would record (``update(graph_safe=True)``): no host read, which inside
     ``torch.cuda.graph`` is an error. Both kinds of update, and a replay that skips on overflow."""

@@ -540,12 +540,45 @@ def test_the_compiled_update_keeps_kahans_compensation():
     assert ((got - want).abs() <= tracking_tolerance(theta.double())).all()
 
 
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable numbers of their dtype lie between a and b (same sign), elementwise."""
+    as_int = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
+    return (a.view(as_int).long() - b.view(as_int).long()).abs()
+
+
+def states_apart(compiled: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> list[str]:
+    """The buffers where the compiled update left the eager one's values by more than the stated
+    tolerance: on CUDA, Triton lowers an fp32 division to an approximate one (not IEEE's correctly
+    rounded quotient), so a value may differ in its last bit: one ulp of its dtype, elementwise.
+    Integer buffers (counters) must be equal."""
+    apart = []
+    for name, value in eager.items():
+        other = compiled[name]
+        if not value.is_floating_point():
+            if not torch.equal(other, value):
+                apart.append(name)
+        elif int(ulps_apart(other.detach().cpu(), value.detach().cpu()).max()) > 1:
+            apart.append(name)
+    return apart
+
+
+def test_the_gpu_tolerance_takes_one_ulp_and_refuses_two():
+    x = torch.tensor([1.0, 2.0, -3.0], dtype=torch.float16)
+    up = torch.nextafter(x, torch.full_like(x, float("inf")))
+    assert states_apart({"a": up, "n": torch.tensor(3)}, {"a": x, "n": torch.tensor(3)}) == []
+    two = torch.nextafter(up, torch.full_like(x, float("inf")))
+    assert states_apart({"a": two, "n": torch.tensor(3)}, {"a": x, "n": torch.tensor(4)}) == ["a", "n"]
+    y = torch.tensor([0.1, 7.0], dtype=torch.float32)
+    assert states_apart({"b": torch.nextafter(y, torch.zeros_like(y))}, {"b": y}) == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_the_compiled_update_equals_the_flat_form_and_replays_in_a_cuda_graph():
-    """On CUDA (triton kernels): 40 adaptive updates compiled equal the eager flat form's bit for
-    bit, and the compiled update captured in a CUDA graph and replayed moves the buffers as the
-    eager update does, with no host read inside."""
+    """On CUDA (triton kernels): 40 adaptive updates compiled equal the eager flat form's within
+    one ulp per element (states_apart: the CPU's equality is bit for bit, CUDA's fp32 division
+    under Triton is approximate), and the compiled update captured in a CUDA graph and replayed
+    moves the buffers as the eager update does, with no host read inside."""
     device = torch.device("cuda")
 
     def make(compiled: bool) -> tuple[nn.Module, KahanEMA]:
@@ -565,8 +598,7 @@ def test_on_a_gpu_the_compiled_update_equals_the_flat_form_and_replays_in_a_cuda
                 b.mul_(1.1).add_(0.01)
         compiled.update_(TAU)
         eager.update_(TAU)
-    for name, value in eager.state_dict().items():
-        assert torch.equal(compiled.state_dict()[name], value), name
+    assert states_apart(compiled.state_dict(), eager.state_dict()) == []
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):

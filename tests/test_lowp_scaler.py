@@ -441,12 +441,24 @@ def test_the_compiled_bookkeeping_is_the_eager_one_bit_for_bit(compiled_hadam, h
     assert count.kernels < ref_count.kernels
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        ),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_the_compiled_gradient_verdict_is_the_eager_one(dtype):
+def test_the_compiled_gradient_verdict_is_the_eager_one(dtype, device):
     """The check before a step, compiled (one op) and eager (stack, max, product, select), equal
     bit for bit: with the paper's margin (below 1, so only a non-finite peak fails: the largest
     finite one passes, inf and NaN do not) and with a margin of 2, where the line falls inside the
-    range (half the largest number passes, the next number above it does not); one gradient too."""
+    range (half the largest number passes, the next number above it does not); one gradient too.
+    Bit for bit on CUDA as well (triton kernels): the verdict multiplies and compares, and holds
+    no division, the one fp32 operation Triton lowers to an approximation there."""
     from pixelsac.lowp import fused_scaler
 
     big = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
@@ -466,7 +478,9 @@ def test_the_compiled_gradient_verdict_is_the_eager_one(dtype):
         (2.0, [two, half], 0.0),
         (2.0, [past_half, two], 1.0),
     ]
+    one = one.to(device)
     for margin, norms, expected in cases:
+        norms = [norm.to(device) for norm in norms]
         eager = fused_scaler.verdict(norms, margin, one)
         compiled = fused_scaler.gradient_verdict(norms, margin, one)
         for mine, theirs in zip(compiled, eager):  # bit for bit, NaN where NaN

@@ -103,14 +103,93 @@ def test_split_k_falls_back_to_linear_where_it_does_not_apply():
 
 def test_without_a_mixed_dtype_gemm_the_product_falls_back_to_fp32_copies(monkeypatch):
     """A CPU has no ``bmm`` with an fp32 output from fp16 inputs (nor may an older torch on a GPU):
-    the first failure is remembered and the same product runs on exact fp32 copies."""
+    that "not supported" failure is remembered, with its reason, and the same product runs on
+    exact fp32 copies; the path taken is recorded for the benchmark's rows and run summaries."""
     from pixelsac.lowp import splitk
 
-    monkeypatch.setitem(splitk._MIXED_GEMM, "usable", True)
+    monkeypatch.setitem(splitk._MIXED_GEMM, "usable", None)
+    monkeypatch.setitem(splitk._MIXED_GEMM, "why_not", None)
+    splitk.reset_split_k_paths()
     a, b = torch.randn(3, 4, 8).half(), torch.randn(3, 8, 5).half()
     out = splitk._fp32_product(a, b, mixed=True)  # aten::bmm.dtype has no CPU kernel
     assert out.dtype == torch.float32 and torch.equal(out, torch.bmm(a.float(), b.float()))
-    assert splitk._MIXED_GEMM["usable"] is False
+    assert splitk._MIXED_GEMM["usable"] is False and "NotImplementedError" in splitk._MIXED_GEMM["why_not"]
+    assert list(splitk.split_k_paths()) == ["fp32_copies"]
+    assert splitk.describe_split_k().startswith("fp32_copies (mixed GEMM unsupported: NotImplementedError")
+    splitk.reset_split_k_paths()
+    assert splitk.describe_split_k() == "off"
+    splitk._fp32_product(a, b)  # on a CPU: no mixed GEMM tried
+    assert splitk.split_k_paths() == {"fp32_copies": "no mixed-dtype GEMM on a CPU"}
+
+
+def _failing_bmm(exc: BaseException):
+    calls = []
+
+    def bmm(*args, **kwargs):
+        calls.append(kwargs)
+        if "out_dtype" in kwargs:
+            raise exc
+        return torch.ones(1)
+
+    return bmm, calls
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("operation not permitted when stream is capturing"),
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+    ],
+    ids=["out-of-memory", "capture-error", "illegal-address"],
+)
+def test_only_an_unsupported_gemm_form_falls_back_and_other_failures_are_raised(monkeypatch, exc):
+    """Out of memory, a capture error or a broken device is no reason to multiply fp32 copies for
+    the rest of the process: it reaches the caller, and the mixed GEMM is not written off."""
+    from pixelsac.lowp import splitk
+
+    monkeypatch.setitem(splitk._MIXED_GEMM, "usable", None)
+    bmm, _ = _failing_bmm(exc)
+    monkeypatch.setattr(splitk.torch, "bmm", bmm)
+    with pytest.raises(type(exc)):
+        splitk._fp32_product(torch.ones(1, 2, 2).half(), torch.ones(1, 2, 2).half(), mixed=True)
+    assert splitk._MIXED_GEMM["usable"] is None
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        TypeError("bmm() got an unexpected keyword argument 'out_dtype'"),
+        RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasGemmStridedBatchedEx"),
+    ],
+    ids=["old-torch", "cublas-refuses"],
+)
+def test_an_unsupported_gemm_form_falls_back_once(monkeypatch, exc):
+    from pixelsac.lowp import splitk
+
+    monkeypatch.setitem(splitk._MIXED_GEMM, "usable", None)
+    bmm, calls = _failing_bmm(exc)
+    monkeypatch.setattr(splitk.torch, "bmm", bmm)
+    splitk.reset_split_k_paths()
+    for _ in range(2):
+        splitk._fp32_product(torch.ones(1, 2, 2).half(), torch.ones(1, 2, 2).half(), mixed=True)
+    assert [("out_dtype" in kw) for kw in calls] == [True, False, False]  # tried once, then fp32 copies
+    assert splitk._MIXED_GEMM["usable"] is False and list(splitk.split_k_paths()) == ["fp32_copies"]
+
+
+def test_nothing_is_tried_or_caught_while_a_cuda_graph_is_captured(monkeypatch):
+    """During capture (path not yet decided by the eager warm-ups) the mixed GEMM is called
+    without a try: its failure ends the capture with the error instead of being swallowed
+    inside a broken capture."""
+    from pixelsac.lowp import splitk
+
+    monkeypatch.setitem(splitk._MIXED_GEMM, "usable", None)
+    monkeypatch.setattr(splitk, "_capturing", lambda device: True)
+    bmm, calls = _failing_bmm(NotImplementedError("Could not run 'aten::bmm.dtype'"))
+    monkeypatch.setattr(splitk.torch, "bmm", bmm)
+    with pytest.raises(NotImplementedError):
+        splitk._fp32_product(torch.ones(1, 2, 2).half(), torch.ones(1, 2, 2).half(), mixed=True)
+    assert splitk._MIXED_GEMM["usable"] is None and len(calls) == 1
 
 
 def test_split_k_linear_is_an_nn_linear_with_the_same_state():
@@ -154,7 +233,8 @@ def test_on_cuda_the_fp32_output_gemm_gives_the_cpu_form(dtype):
     on_gpu = split_k_linear(x.cuda(), w.cuda(), b.cuda(), splits=20).cpu()
     from pixelsac.lowp import splitk
 
-    assert splitk._MIXED_GEMM["usable"], "torch.bmm(out_dtype=float32) failed here: split-K multiplies fp32 copies"
+    assert splitk._MIXED_GEMM["usable"], f"torch.bmm(out_dtype=float32) unusable: {splitk._MIXED_GEMM['why_not']}"
+    assert "mixed_gemm" in splitk.split_k_paths()
     on_cpu = split_k_linear(x, w, b, splits=20)
     assert on_gpu.dtype == dtype
     assert (on_gpu != on_cpu).float().mean() < 0.01

@@ -384,6 +384,10 @@ def _fit_tracked(tmp_path, monkeypatch, *overrides, extra_callbacks=(), tracker_
 
 
 def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch, capsys):
+    from pixelsac.lowp import splitk
+
+    # a split product of an earlier run in this process: not this run's (the tracker forgets it)
+    monkeypatch.setitem(splitk._PATHS_TAKEN, "fp32_copies", "an earlier run")
     tracker, logger, module = _fit_tracked(tmp_path, monkeypatch, "precision=fp16")
     calibration = [m for _, m in logger.rows if "perf/fp32_ms_per_update" in m]
     intervals = [(step, m) for step, m in logger.rows if "perf/ms_per_update" in m]
@@ -467,6 +471,8 @@ def test_tracker_logs_every_figure_and_writes_the_summary(tmp_path, monkeypatch,
     # the code that wrote it: the package and the libraries, in the file and in its table
     assert summary["code"]["pixelsac"] and summary["code"]["torch"] == torch.__version__
     assert f"pixelsac {summary['code']['pixelsac']}" in markdown
+    # the long-K products' path: the tiny agent's K = 100 is below the default chunk, so none split
+    assert summary["split_k"] == "off" and "split-K products" in markdown
     printed = capsys.readouterr().out
     assert "perf summary:" in printed and "fp32 reference" in printed and "resident-set" in printed
 

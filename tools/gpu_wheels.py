@@ -1,6 +1,7 @@
 """Wheels for a GPU machine without network: what pixelsac needs beside the machine's own torch
-and lightning (and numpy, scipy, lxml, absl-py, PyYAML, pillow, tqdm, matplotlib, which such a
-machine has: :data:`GPU_MACHINE_HAS`).
+(and numpy, scipy, lxml, absl-py, PyYAML, pillow, tqdm, matplotlib, which such a machine has:
+:data:`GPU_MACHINE_HAS`), lightning included: ``pixelsac.distributed.GradientAverage`` relies on
+its strategy internals, so the version tested here travels and replaces another one.
 
 On a machine with network (any platform), build the wheelhouse for the GPU machine's Python::
 
@@ -18,8 +19,10 @@ own on most GPU loans). On the GPU machine ``tools/gpu_run.sh`` installs them it
     python tools/gpu_wheels.py --install .whl --target /tmp/site
     export PYTHONPATH=/tmp/site:$PWD MUJOCO_GL=egl
 
-``--install`` installs only the wheels whose package the machine does not have already
-(``pip install --no-index --no-deps --target``), so its own torch and numpy stay as they are.
+``--install`` installs the wheels whose package the machine lacks or has in another version
+(``pip install --no-index --no-deps --target``, a folder that comes first on ``PYTHONPATH``): an
+older kornia, omegaconf, mujoco or lightning already there would otherwise win over the pinned
+wheel. It prints each replaced version. The machine's own torch and numpy stay as they are.
 Exit codes: 0 done, 1 pip failed or the wheels are over ``--max-mb``, 2 a bad argument.
 
 ``tests/test_gpu_run.py`` checks the list against the requirements this checkout's installed
@@ -62,6 +65,9 @@ WHEELS: tuple[str, ...] = (
     "iniconfig==2.3.1",
     "pluggy==1.7.0",
     "pygments==2.21.0",
+    "lightning==2.6.6",  # GradientAverage relies on its strategy internals: the version tested here
+    "lightning-utilities==0.15.3",  # lightning's
+    "torchmetrics==1.9.0",  # lightning's
 )
 
 #: Packages a GPU machine of this kind has installed beside torch and lightning.
@@ -158,19 +164,39 @@ def wheel_project(path: Path) -> str:
     return normalize(path.name.split("-", 1)[0])
 
 
-def missing_wheels(wheel_dir: Path) -> list[Path]:
-    """The wheels in ``wheel_dir`` whose project this Python does not have installed."""
-    wheels = sorted(wheel_dir.glob("*.whl"))
-    have = {normalize(dist.metadata["Name"] or "") for dist in importlib.metadata.distributions()}
-    return [w for w in wheels if wheel_project(w) not in have]
+def wheel_version(path: Path) -> str:
+    """The version a wheel file installs (its file name's second field)."""
+    return path.name.split("-")[1]
+
+
+def _same_version(a: str, b: str) -> bool:
+    try:
+        from packaging.version import Version
+
+        return Version(a) == Version(b)
+    except Exception:  # noqa: BLE001 -- no packaging, or a version it cannot read: compare the text
+        return a == b
+
+
+def wheels_to_install(wheel_dir: Path) -> list[tuple[Path, str | None]]:
+    """The wheels in ``wheel_dir`` whose project this Python lacks (None) or has in another
+    version (that version), in file-name order."""
+    have = {normalize(dist.metadata["Name"] or ""): dist.version for dist in importlib.metadata.distributions()}
+    chosen = []
+    for wheel in sorted(wheel_dir.glob("*.whl")):
+        installed = have.get(wheel_project(wheel))
+        if installed is None or not _same_version(installed, wheel_version(wheel)):
+            chosen.append((wheel, installed))
+    return chosen
 
 
 def install(wheel_dir: Path, target: Path) -> int:
-    wheels = missing_wheels(wheel_dir)
-    if not wheels:
-        print(f"gpu_wheels: every wheel in {wheel_dir} is installed already")
+    chosen = wheels_to_install(wheel_dir)
+    if not chosen:
+        print(f"gpu_wheels: every wheel in {wheel_dir} is installed already, in its version")
         return 0
-    names = ", ".join(wheel_project(w) for w in wheels)
+    wheels = [wheel for wheel, _ in chosen]
+    names = ", ".join(f"{wheel_project(w)} {wheel_version(w)}" + (f" (over {old})" if old else "") for w, old in chosen)
     print(f"gpu_wheels: installing {len(wheels)} wheels into {target}: {names}", flush=True)
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
     command += ["--no-cache-dir", "--upgrade", "--target", str(target), *map(str, wheels)]

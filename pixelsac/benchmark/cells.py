@@ -63,6 +63,10 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
     batch = synthetic_batch(spec.batch_size, tuple(spec.obs_shape), spec.action_dim, seed=int(cfg.seed))
     batch = place_batch(batch, spec.batch_source, device)
 
+    from pixelsac.lowp import describe_split_k, reset_split_k_paths
+
+    reset_split_k_paths()  # this cell's long-K products alone (cells may share a process)
+
     def prepare(module: Any) -> None:
         # the layout is the module's own (perf.channels_last in the cell's overrides)
         apply_speed_options(module, False, spec.compile, spec.compile_mode, spec.compile_backend)
@@ -117,6 +121,7 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
         "finite_at_end": timed.finite_at_end,
         **{f"skipped_{k}": v for k, v in timed.skipped.items()},
         **{f"loss_scale_{k}": v for k, v in timed.loss_scales.items()},
+        "split_k": describe_split_k(),  # the path the long-K products took: mixed_gemm, fp32_copies (why), off
         **_dispatch_counts(cfg, spec),
         "status": "ok",
     }

@@ -60,6 +60,7 @@ CSV_COLUMNS = (
     "batch_size",
     "device",
     "compute",
+    "split_k",
     "emulated",
     "emulation",
     "updates",
@@ -426,6 +427,8 @@ def write_outputs(
         "replay": plan.replay,
         "overrides": plan.overrides,
         "options": dataclasses.asdict(plan.options),
+        # every cell the plan holds, so a reader of a benchmark cut short knows which never ran
+        "planned": [{"mode": c.mode, "batch_size": c.batch_size, "variant": c.variant} for c in plan.cells],
         "rows": rows,
         "interleaved": interleaved or [],
     }

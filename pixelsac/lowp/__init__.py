@@ -38,7 +38,7 @@ from .scaler import (
     optimizer_state_is_finite_after,
     rescale_optimizer_state_,
 )
-from .splitk import SplitKLinear, split_count, split_k_linear
+from .splitk import SplitKLinear, describe_split_k, reset_split_k_paths, split_count, split_k_linear, split_k_paths
 
 __all__ = [
     "HAdam",
@@ -56,6 +56,9 @@ __all__ = [
     "split_k_linear",
     "split_count",
     "SplitKLinear",
+    "split_k_paths",
+    "describe_split_k",
+    "reset_split_k_paths",
     "all_finite",
     "kahan_add_",
     "stochastic_round",

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["split_k_linear", "split_count", "SplitKLinear"]
+__all__ = ["split_k_linear", "split_count", "SplitKLinear", "split_k_paths", "describe_split_k", "reset_split_k_paths"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -55,25 +55,84 @@ def split_count(k: int, chunk: int) -> int:
     return min(divisors, key=lambda d: (abs(d - wanted), -d))
 
 
-#: Whether ``torch.bmm(..., out_dtype=torch.float32)`` ran here; set False by its first failure
-#: (a torch or device without the mixed-dtype GEMM), after which fp32 copies are multiplied.
-_MIXED_GEMM = {"usable": True}
+#: Whether ``torch.bmm(..., out_dtype=torch.float32)`` is usable here: None until its first call on
+#: a GPU, then True, or False after it failed as "this GEMM form is not supported"
+#: (:func:`_unsupported`), with the failure's first line in ``why_not``.
+_MIXED_GEMM: dict[str, Any] = {"usable": None, "why_not": None}
+#: The products split-K computed since the last :func:`reset_split_k_paths`: path -> why.
+_PATHS_TAKEN: dict[str, str] = {}
+MIXED_GEMM = "mixed_gemm"  # one fp16/bf16 GEMM with an fp32 output (CUDA)
+FP32_COPIES = "fp32_copies"  # the same product of exact fp32 copies
+
+
+def _unsupported(exc: BaseException) -> bool:
+    """Whether ``exc`` from ``torch.bmm(..., out_dtype=float32)`` says that this GEMM form is not
+    supported here (a torch without the keyword, no kernel for the backend, cuBLAS refusing the
+    form), rather than anything else -- out of memory, a failed capture, an illegal address --
+    which must reach the caller."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    message = str(exc)
+    if isinstance(exc, TypeError):
+        return "out_dtype" in message
+    if isinstance(exc, NotImplementedError):
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        mark in message for mark in ("Could not run 'aten::bmm.dtype'", "out_dtype", "NOT_SUPPORTED")
+    )
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def split_k_paths() -> dict[str, str]:
+    """The products split-K ran since the last :func:`reset_split_k_paths` (process start):
+    ``{"mixed_gemm": ...}`` and/or ``{"fp32_copies": why}``; empty when no layer was split."""
+    return dict(_PATHS_TAKEN)
+
+
+def describe_split_k() -> str:
+    """:func:`split_k_paths` in a few words, for a benchmark row or a run's summary."""
+    if not _PATHS_TAKEN:
+        return "off"
+    return ", ".join(f"{path} ({why})" if why else path for path, why in sorted(_PATHS_TAKEN.items()))
+
+
+def reset_split_k_paths() -> None:
+    """Forget the paths taken (a benchmark does this before each cell); the mixed GEMM's
+    verdict stays, since it is the device's and torch's."""
+    _PATHS_TAKEN.clear()
 
 
 def _fp32_product(a: torch.Tensor, b: torch.Tensor, mixed: bool | None = None) -> torch.Tensor:
     """``torch.bmm(a, b)`` of fp16/bf16 inputs accumulated and returned in fp32.
 
-    ``mixed`` (default: on CUDA): one mixed-dtype GEMM with an fp32 output. Where that fails
-    (the first failure is remembered), and on a CPU, which has none, the same product of fp32
-    copies: ``float(x16)`` is exact, so the values are those of the mixed GEMM up to the order
-    of the fp32 sums."""
+    ``mixed`` (default: on CUDA): one mixed-dtype GEMM with an fp32 output. Where that form is
+    not supported (the first such failure is remembered, :func:`_unsupported`), and on a CPU,
+    which has none, the same product of fp32 copies: ``float(x16)`` is exact, so the values are
+    those of the mixed GEMM up to the order of the fp32 sums. Any other failure is raised, and
+    nothing is tried or caught while a CUDA graph is being captured (a failed call there breaks
+    the capture, which must end with the error): the eager warm-ups before capture decide."""
     if mixed is None:
         mixed = a.device.type == "cuda"
-    if mixed and _MIXED_GEMM["usable"]:
-        try:
+    if mixed and _MIXED_GEMM["usable"] is not False:
+        if _MIXED_GEMM["usable"] is None and not _capturing(a.device):
+            try:
+                out = torch.bmm(a, b, out_dtype=torch.float32)
+            except (RuntimeError, TypeError, NotImplementedError) as exc:
+                if not _unsupported(exc):
+                    raise
+                _MIXED_GEMM.update(usable=False, why_not=f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+            else:
+                _MIXED_GEMM["usable"] = True
+                _PATHS_TAKEN[MIXED_GEMM] = ""
+                return out
+        else:
+            _PATHS_TAKEN[MIXED_GEMM] = ""
             return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MIXED_GEMM["usable"] = False
+    why = "no mixed-dtype GEMM on a CPU" if not mixed else f"mixed GEMM unsupported: {_MIXED_GEMM['why_not']}"
+    _PATHS_TAKEN[FP32_COPIES] = why
     return torch.bmm(a.float(), b.float())
 
 

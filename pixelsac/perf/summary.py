@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pixelsac import files
+from pixelsac.lowp import describe_split_k
 from pixelsac.perf.meters import SavedBytes, _fmt_bytes, group_ratios, ratio, speedup
 from pixelsac.provenance import code_version, describe
 
@@ -108,6 +109,7 @@ def build_summary(
         "state_groups_vs_fp32": group_ratios(state_groups, fp32.state_groups if fp32 is not None else None),
         "memory_figures": MEMORY_FIGURES,
         "stopped_by": stopped_by,
+        "split_k": describe_split_k(),  # the long-K products' path in this process (pixelsac.lowp.splitk)
         "code": code_version(),
     }
 
@@ -221,6 +223,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("fp32 reference", "not calibrated (perf.calibrate_updates=0)"))
     if summary.get("stopped_by"):
         rows.append(("stopped early", summary["stopped_by"]))
+    if summary.get("split_k"):  # summaries written before it have none
+        rows.append(("split-K products", summary["split_k"]))
     if summary.get("code"):  # summaries written before it have none
         rows.append(("code", describe(summary["code"])))
     return rows

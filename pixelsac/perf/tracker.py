@@ -18,6 +18,7 @@ import lightning as L
 import torch
 
 from pixelsac.graphs import update_cycle
+from pixelsac.lowp import reset_split_k_paths
 from pixelsac.perf import meters
 from pixelsac.perf.calibration import (
     Fp32Reference,
@@ -190,6 +191,7 @@ class PerfTracker(UpdateTimer):
         self._fit_agent_steps = self._agent_steps()
         self._fit_updates = self._interval_updates = pl_module.updates
         self.peak.reset()
+        reset_split_k_paths()  # the summary's split-K path: this run's products, as its peak
 
     # --- every update -----------------------------------------------------------------------
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
