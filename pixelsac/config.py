@@ -132,6 +132,9 @@ _LOWER_BOUNDS: dict[str, float] = {
     "stop.max_wait_seconds": 0.0,
     "train.progress_every_seconds": 0.0,
 }
+#: The most gradient updates one agent step may hold: DrQ takes 1, the high update-to-data
+#: methods (REDQ, DroQ, replay-ratio scaling) up to a few hundred; far more is a typo.
+MAX_UPDATES_PER_STEP = 1024
 _UNIT_INTERVAL = ("agent.discount", "agent.critic_tau", "agent.beta1", "agent.beta2")
 #: Float keys where infinity means something ("never", "however long"); NaN is refused everywhere.
 _INFINITY_ALLOWED = ("stop.max_wait_seconds", "train.progress_every_seconds")
@@ -534,6 +537,11 @@ def validate(cfg: DictConfig) -> None:
         if value is not None and value < low:
             what = "positive" if low > 0 else "zero or more"
             raise ConfigError(f"{key}={value} must be {what}")
+    if cfg.train.updates_per_step > MAX_UPDATES_PER_STEP:
+        raise ConfigError(
+            f"train.updates_per_step={cfg.train.updates_per_step} is more than {MAX_UPDATES_PER_STEP} updates per "
+            f"agent step (DrQ takes 1); choose 0 to {MAX_UPDATES_PER_STEP}"
+        )
     for key in _UNIT_INTERVAL:
         value = OmegaConf.select(cfg, key)
         if not 0.0 <= value <= 1.0:

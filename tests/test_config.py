@@ -167,6 +167,7 @@ def test_ordinary_float_notation_is_a_number(override, key, value):
         ("agent.lr=" + "7" * 100_000, "agent.lr=7777777777... (100,000 digits) is too long to be a number"),
         ("agent.lr=1e3x", "agent.lr='1e3x' has the wrong type; it takes a number"),
         ("train.eval_episodes=0", "train.eval_episodes=0 must be positive"),
+        ("train.updates_per_step=1000000", "train.updates_per_step=1000000 is more than 1024 updates per agent step"),
     ],
 )
 def test_numbers_that_are_no_setting_are_one_line(override, fragment):
