@@ -171,15 +171,16 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, UsageError, *(error for error in found if error is not None))
 
 
-def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, usage: str) -> int:
+def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, usage: str | Callable[[], str]) -> int:
     """Run an entry point's ``body(argv)`` and turn what it raises into one line and an exit code:
-    ``-h``/``--help`` prints ``usage``; bad input exits 2; a numerical failure exits 3; a Ctrl-C
-    that reaches here (no handler of the run's caught it) exits 130."""
+    ``-h``/``--help`` prints ``usage`` (a text, or a function making it: what that raises is
+    answered the same way); bad input exits 2; a numerical failure exits 3; a Ctrl-C that reaches
+    here (no handler of the run's caught it) exits 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(argv):
-        print(usage)
-        return 0
     try:
+        if wants_help(argv):
+            print(usage if isinstance(usage, str) else usage())
+            return 0
         return body(argv)
     except KeyboardInterrupt as exc:  # Ctrl-C where no handler of ours catches it: no traceback
         print(f"pixelsac: {exc if isinstance(exc, Interrupted) else 'interrupted by SIGINT (Ctrl-C)'}", file=sys.stderr)

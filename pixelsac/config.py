@@ -161,9 +161,17 @@ class ConfigError(ValueError):
 
 
 def conf_dir() -> Path:
-    """The ``conf/`` folder: ``$PIXELSAC_CONF`` if set, else the one beside the package."""
+    """The ``conf/`` folder: ``$PIXELSAC_CONF`` if set (a copy of that folder, edited), else the
+    one beside the package. A ``$PIXELSAC_CONF`` without a ``config.yaml`` is a ConfigError."""
     env = os.environ.get("PIXELSAC_CONF")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+    if not env:
+        return Path(__file__).resolve().parent.parent / "conf"
+    if not (Path(env) / "config.yaml").is_file():
+        raise ConfigError(
+            f"PIXELSAC_CONF={_shown(env)} holds no config.yaml: point it at a copy of pixelsac's conf/ folder, "
+            "or unset it to use the one beside the package"
+        )
+    return Path(env)
 
 
 def _names(folder: Path) -> list[str]:

@@ -291,6 +291,9 @@ def _command(argv: list[str], as_program: bool = False) -> int:
         train_args.check_early(argv)  # a mistyped key answers before dm_control and torch load
         cfg, point = resolve_run(argv)
         if dry_run:
+            from pixelsac.run import check_dry_run
+
+            check_dry_run(cfg, fresh=point is None)
             print(train_args.render(cfg), end="")
             return 0
         if point is not None and point.finished(cfg.train.env_frames):
@@ -319,7 +322,7 @@ def _command(argv: list[str], as_program: bool = False) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The command line (``argv`` None: this process's arguments, and stop signals that come
     after the run ended are ignored until it exits -- see :mod:`pixelsac.stopping`)."""
-    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, train_args.usage(USAGE))
+    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, lambda: train_args.usage(USAGE))
 
 
 if __name__ == "__main__":

@@ -268,6 +268,8 @@ def test_injected_inf_gradient_skips_the_step_and_leaves_parameters_bitwise_unch
         (["resume=."], "no checkpoint in ."),
         (["env.image_size=-3"], "env.image_size=-3 must be positive"),
         (["replay.capacity=0"], "replay.capacity=0 must be positive"),
+        ([*TINY, "replay.capacity=1"], "error: replay.capacity=1 leaves each of the 1 env(s) 1 slot(s)"),
+        ([*TINY, "replay.capacity=7", "env.num_envs=2"], "leaves each of the 2 env(s) 3 slot(s)"),
     ],
 )
 def test_bad_paths_and_sizes_exit_2_and_write_nothing(tmp_path, monkeypatch, capsys, args, message):
