@@ -178,6 +178,17 @@ def _names(folder: Path) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml"))
 
 
+#: Task and preset names: file names under conf/ (a longer or odder one names no file there).
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+#: Characters no ``key=value`` may hold: they would be echoed raw to a terminal (ESC) or folded
+#: away by YAML (a newline in a run_dir becomes a space).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _is_name(text: str) -> bool:
+    return _NAME.fullmatch(text) is not None and not text.startswith(".")
+
+
 def _suggest(word: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
@@ -264,6 +275,13 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"expected key=value, got {_shown(item)!r} (example: agent.batch_size=256)")
+        control = _CONTROL.search(raw)
+        if control is not None or _CONTROL.search(key):
+            found = control or _CONTROL.search(key)
+            raise ConfigError(
+                f"{_shown(repr(key)[1:-1])}=... holds the control character {found.group(0)!r} at position "
+                f"{found.start()} of its {'value' if control is not None else 'key'}; type it without"
+            )
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
@@ -425,18 +443,18 @@ def load_config(
     preset = given.get("preset", defaults.get("preset"))
     preset_cfg = None
     if preset is not None:
-        if not isinstance(preset, str) or not (conf / "preset" / f"{preset}.yaml").is_file():
+        if not isinstance(preset, str) or not _is_name(preset) or not (conf / "preset" / f"{preset}.yaml").is_file():
             presets = _names(conf / "preset")
             raise ConfigError(
-                f"unknown preset {preset!r}{_suggest(str(preset), presets)}; presets: {', '.join(presets)}"
+                f"unknown preset {_shown(repr(preset))}{_suggest(str(preset), presets)}; presets: {', '.join(presets)}"
             )
         preset_cfg = _load_yaml(conf / "preset" / f"{preset}.yaml")
 
     task = given.get(
         "task", preset_cfg.get("task") if preset_cfg is not None and "task" in preset_cfg else defaults.task
     )
-    if not isinstance(task, str):
-        raise ConfigError(f"task={task!r} must be a task name such as cheetah_run")
+    if not isinstance(task, str) or not _is_name(task):
+        raise ConfigError(f"task={_shown(repr(task))} must be a task name such as cheetah_run")
     if valid_tasks is not None:
         tasks = sorted(valid_tasks)
         if task not in tasks:
