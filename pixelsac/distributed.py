@@ -121,14 +121,19 @@ _PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer(?: \[[^\]]*\](?::\
 def lost_rank(exc: BaseException) -> str | None:
     """What to say when ``exc`` is a collective that failed because another rank's process ended
     (killed, out of memory): which rank (the other one of two; the peer's address otherwise) and
-    what gloo reported; None for any other error. The ranks come from the launcher's
-    environment (``RANK``, ``WORLD_SIZE``): the process group may be torn down by now."""
+    what gloo reported; None for any other error. The ranks come from the process group, or
+    where it is gone from the launchers' environment (torchrun's ``RANK``, Lightning's
+    ``LOCAL_RANK``, ``WORLD_SIZE``)."""
     if not isinstance(exc, RuntimeError):
         return None
     found = _PEER_GONE.search(str(exc))
     if found is None:
         return None
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "0"))
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        env = os.environ
+        rank, world = int(env.get("RANK", env.get("LOCAL_RANK", "0"))), int(env.get("WORLD_SIZE", "0"))
     if world == 2:
         who = f"rank {1 - rank} of the 2 data-parallel ranks"
     else:
