@@ -6,7 +6,8 @@
   directory in use or not writable -- said in one ``error: ...`` line before anything is written,
   :data:`EXIT_NUMERICAL_FAILURE` (3) for a run stopped by non-finite numbers or whose every
   update was skipped, :data:`EXIT_INCOMPLETE` (4) for a run that ended short of its budget
-  without a signal, :data:`EXIT_IO_FAULT` (74) for a write that failed while running (disk full,
+  without a signal, :data:`EXIT_PROCESS_LOST` (5) for a run whose env worker or other rank
+  died, :data:`EXIT_IO_FAULT` (74) for a write that failed while running (disk full,
   read-only filesystem), :data:`EXIT_STOPPED` (75) for a run stopped by a signal with its work
   saved. :func:`run_command` maps the exceptions to them, once for all entry points.
 * :func:`resolve_device` (``auto``/``cpu``/``cuda[:N]``), :func:`env_from_config` (the env a
@@ -35,6 +36,9 @@ EXIT_NUMERICAL_FAILURE = 3
 #: The run ended short of train.env_frames without a stop signal (a limit outside pixelsac's
 #: budget ended it); its last checkpoint stands and resume=auto continues it.
 EXIT_INCOMPLETE = 4
+#: A process the run depends on died while it ran: an environment worker, another data-parallel
+#: rank (killed, out of memory). Not bad input: the last checkpoint stands and resume=auto continues.
+EXIT_PROCESS_LOST = 5
 #: A write failed while running (EX_IOERR): disk full, read-only filesystem, I/O error. The last
 #: complete checkpoint stands; no temporary file is left.
 EXIT_IO_FAULT = 74
@@ -62,6 +66,11 @@ EXIT_CODES = (
         EXIT_INCOMPLETE,
         "ended short of train.env_frames without a signal; resume=auto continues",
         "error: the run ended at env frame 515 of train.env_frames=1500 ...",
+    ),
+    (
+        EXIT_PROCESS_LOST,
+        "a process of the run died (an env worker, another data-parallel rank); resume=auto continues",
+        "error: env worker 1 (cartpole_swingup, seed 2) died with exit code -9: ... resume=auto continues ...",
     ),
     (
         EXIT_IO_FAULT,
@@ -165,21 +174,21 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     others = (
         ("pixelsac.checkpoint", "CheckpointError"),
         ("pixelsac.envs", "EnvError"),
-        ("pixelsac.envs.vector", "EnvWorkerError"),
     )
     found = (getattr(sys.modules.get(module), name, None) for module, name in others)
     return (ConfigError, UsageError, *(error for error in found if error is not None))
 
 
-def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, usage: str) -> int:
+def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, usage: str | Callable[[], str]) -> int:
     """Run an entry point's ``body(argv)`` and turn what it raises into one line and an exit code:
-    ``-h``/``--help`` prints ``usage``; bad input exits 2; a numerical failure exits 3; a Ctrl-C
-    that reaches here (no handler of the run's caught it) exits 130."""
+    ``-h``/``--help`` prints ``usage`` (a text, or a function making it: what that raises is
+    answered the same way); bad input exits 2; a numerical failure exits 3; a Ctrl-C that reaches
+    here (no handler of the run's caught it) exits 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(argv):
-        print(usage)
-        return 0
     try:
+        if wants_help(argv):
+            print(usage if isinstance(usage, str) else usage())
+            return 0
         return body(argv)
     except KeyboardInterrupt as exc:  # Ctrl-C where no handler of ours catches it: no traceback
         print(f"pixelsac: {exc if isinstance(exc, Interrupted) else 'interrupted by SIGINT (Ctrl-C)'}", file=sys.stderr)

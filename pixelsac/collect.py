@@ -22,6 +22,12 @@ fewer than in DrQ's order (the policy that acts is the same: it has had the same
 rest is as it was. Two steps run in DrQ's order even so: the one that may end an episode (so a
 callback sees the episode boundary after its updates, where exact-resume checkpoints are taken)
 and the budget's last (so a run never ends with a step in flight).
+
+A checkpoint can come between the updates of one agent step (``updates_per_step`` above 1, or
+several environments: the step that ends an episode is followed by all its batches). The
+collector counts the batches its steps still owe the learner (:attr:`Collector.batches_due`) and
+keeps the count in its state, so a resumed stream draws those first, before it collects again,
+and the resumed run does the same updates as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class Collector:
     lazily, at the first step after the previous one ended, so between episodes
     (:attr:`at_episode_boundary`, all environments) the whole collection state is a few counters
     and RNG states: that is where checkpoints meant for exact resumption are taken.
+
+    :attr:`batches_due`: the replay batches (one update each) that the steps collected so far
+    still owe the learner; set and drawn down by :class:`ExperienceStream`, kept in the state.
     """
 
     def __init__(
@@ -75,6 +84,7 @@ class Collector:
         self._lengths = [0] * self.num_envs
         self._timesteps: list[TimeStep | None] = [None] * self.num_envs  # None between episodes
         self._actions: np.ndarray | None = None  # the actions of a step in flight (begin_step)
+        self.batches_due = 0
 
     @property
     def at_episode_boundary(self) -> bool:
@@ -180,6 +190,7 @@ class Collector:
             "env_rngs": self.envs.get_rng_states(),
             "at_episode_boundary": self.at_episode_boundary,
             "world_size": self.world_size,
+            "batches_due": self.batches_due,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -192,6 +203,7 @@ class Collector:
             )
         self.agent_steps, self.env_frames = int(state["agent_steps"]), int(state["env_frames"])
         self.episodes = int(state["episodes"])
+        self.batches_due = int(state.get("batches_due", 0))  # absent: written between agent steps
         self.rng.bit_generator.state = state["rng"]
         self.envs.set_rng_states(state["env_rngs"])
         self._timesteps, self.finished = [None] * self.num_envs, []
@@ -201,10 +213,13 @@ class ExperienceStream(IterableDataset):
     """Yields replay batches for the Trainer, collecting one agent step before each group of
     ``updates_per_step`` batches, until ``total_agent_steps`` have been collected.
 
-    ``stop_check``, when set, is asked before every agent step (seed steps included): True ends
-    the iteration there, with the collection in a resumable state and :attr:`stopped_early` set
-    (see :mod:`pixelsac.stopping`). Asking before a step rather than after an update lets a stop
-    land between updates even during the seed steps, which take no updates at all.
+    ``stop_check``, when set, is asked before every agent step (seed steps included) and between
+    the updates of one step: True ends the iteration there, with the collection in a resumable
+    state and :attr:`stopped_early` set (see :mod:`pixelsac.stopping`). Asking before a step
+    lets a stop land even during the seed steps, which take no updates at all; asking between a
+    step's updates bounds the wait however many updates a step holds (the batches left stay due,
+    :attr:`Collector.batches_due`). Not between a step's collection and its first update: with
+    one update per step (the default) the stop points are the steps'.
 
     ``overlap``: the environments step while the step's batches are updated on (module
     docstring), except in a step that may end an episode and the budget's last step.
@@ -231,13 +246,13 @@ class ExperienceStream(IterableDataset):
 
     @property
     def exhausted(self) -> bool:
-        """The budget is collected: an iteration now yields nothing."""
-        return self.collector.agent_steps >= self.total_agent_steps
+        """The budget is collected and updated on: an iteration now yields nothing."""
+        return self.collector.agent_steps >= self.total_agent_steps and self.collector.batches_due == 0
 
     def __len__(self) -> int:
         """Batches still to come (the progress bar's total)."""
         start = max(self.collector.agent_steps, self.collector.seed_steps)
-        return max(self.total_agent_steps - start, 0) * self.updates_per_step
+        return max(self.total_agent_steps - start, 0) * self.updates_per_step + self.collector.batches_due
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         collector = self.collector
@@ -245,17 +260,24 @@ class ExperienceStream(IterableDataset):
             if self._stop_here():
                 return
             collector.step()
-        while collector.agent_steps < self.total_agent_steps:
-            if self._stop_here():
+        between_updates = True  # batches due from a checkpoint come after updates: a stop may land first
+        while True:
+            while collector.batches_due > 0:
+                if between_updates and self._stop_here():
+                    return
+                between_updates = True
+                collector.batches_due -= 1
+                yield self.replay_batch()
+            collector.finish_step()  # nothing left to do unless the step overlapped its updates
+            if collector.agent_steps >= self.total_agent_steps or self._stop_here():
                 return
             overlap = self._overlaps()
             collector.begin_step()
             if not overlap:
                 collector.finish_step()
             # the update-to-data ratio holds per agent step, whatever the number of envs
-            for _ in range(self.updates_per_step * collector.num_envs):
-                yield self.replay_batch()
-            collector.finish_step()  # nothing left to do unless the step overlapped its updates
+            collector.batches_due = self.updates_per_step * collector.num_envs
+            between_updates = False
 
     def _overlaps(self) -> bool:
         """Is the next step to overlap its updates (class docstring)?"""

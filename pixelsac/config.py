@@ -132,6 +132,9 @@ _LOWER_BOUNDS: dict[str, float] = {
     "stop.max_wait_seconds": 0.0,
     "train.progress_every_seconds": 0.0,
 }
+#: The most gradient updates one agent step may hold: DrQ takes 1, the high update-to-data
+#: methods (REDQ, DroQ, replay-ratio scaling) up to a few hundred; far more is a typo.
+MAX_UPDATES_PER_STEP = 1024
 _UNIT_INTERVAL = ("agent.discount", "agent.critic_tau", "agent.beta1", "agent.beta2")
 #: Float keys where infinity means something ("never", "however long"); NaN is refused everywhere.
 _INFINITY_ALLOWED = ("stop.max_wait_seconds", "train.progress_every_seconds")
@@ -158,13 +161,32 @@ class ConfigError(ValueError):
 
 
 def conf_dir() -> Path:
-    """The ``conf/`` folder: ``$PIXELSAC_CONF`` if set, else the one beside the package."""
+    """The ``conf/`` folder: ``$PIXELSAC_CONF`` if set (a copy of that folder, edited), else the
+    one beside the package. A ``$PIXELSAC_CONF`` without a ``config.yaml`` is a ConfigError."""
     env = os.environ.get("PIXELSAC_CONF")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "conf"
+    if not env:
+        return Path(__file__).resolve().parent.parent / "conf"
+    if not (Path(env) / "config.yaml").is_file():
+        raise ConfigError(
+            f"PIXELSAC_CONF={_shown(env)} holds no config.yaml: point it at a copy of pixelsac's conf/ folder, "
+            "or unset it to use the one beside the package"
+        )
+    return Path(env)
 
 
 def _names(folder: Path) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+#: Task and preset names: file names under conf/ (a longer or odder one names no file there).
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+#: Characters no ``key=value`` may hold: they would be echoed raw to a terminal (ESC) or folded
+#: away by YAML (a newline in a run_dir becomes a space).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _is_name(text: str) -> bool:
+    return _NAME.fullmatch(text) is not None and not text.startswith(".")
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str:
@@ -253,6 +275,13 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"expected key=value, got {_shown(item)!r} (example: agent.batch_size=256)")
+        control = _CONTROL.search(raw)
+        if control is not None or _CONTROL.search(key):
+            found = control or _CONTROL.search(key)
+            raise ConfigError(
+                f"{_shown(repr(key)[1:-1])}=... holds the control character {found.group(0)!r} at position "
+                f"{found.start()} of its {'value' if control is not None else 'key'}; type it without"
+            )
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
@@ -414,18 +443,18 @@ def load_config(
     preset = given.get("preset", defaults.get("preset"))
     preset_cfg = None
     if preset is not None:
-        if not isinstance(preset, str) or not (conf / "preset" / f"{preset}.yaml").is_file():
+        if not isinstance(preset, str) or not _is_name(preset) or not (conf / "preset" / f"{preset}.yaml").is_file():
             presets = _names(conf / "preset")
             raise ConfigError(
-                f"unknown preset {preset!r}{_suggest(str(preset), presets)}; presets: {', '.join(presets)}"
+                f"unknown preset {_shown(repr(preset))}{_suggest(str(preset), presets)}; presets: {', '.join(presets)}"
             )
         preset_cfg = _load_yaml(conf / "preset" / f"{preset}.yaml")
 
     task = given.get(
         "task", preset_cfg.get("task") if preset_cfg is not None and "task" in preset_cfg else defaults.task
     )
-    if not isinstance(task, str):
-        raise ConfigError(f"task={task!r} must be a task name such as cheetah_run")
+    if not isinstance(task, str) or not _is_name(task):
+        raise ConfigError(f"task={_shown(repr(task))} must be a task name such as cheetah_run")
     if valid_tasks is not None:
         tasks = sorted(valid_tasks)
         if task not in tasks:
@@ -534,6 +563,11 @@ def validate(cfg: DictConfig) -> None:
         if value is not None and value < low:
             what = "positive" if low > 0 else "zero or more"
             raise ConfigError(f"{key}={value} must be {what}")
+    if cfg.train.updates_per_step > MAX_UPDATES_PER_STEP:
+        raise ConfigError(
+            f"train.updates_per_step={cfg.train.updates_per_step} is more than {MAX_UPDATES_PER_STEP} updates per "
+            f"agent step (DrQ takes 1); choose 0 to {MAX_UPDATES_PER_STEP}"
+        )
     for key in _UNIT_INTERVAL:
         value = OmegaConf.select(cfg, key)
         if not 0.0 <= value <= 1.0:

@@ -27,6 +27,8 @@ all-reduce of at most their size per backward.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -110,3 +112,30 @@ class GradientAverage(DDPStrategy):
         self._hooks, self._order = [], {}
         self._produced.clear()
         super().teardown()
+
+
+#: What gloo (and NCCL's socket layer) says when the other end of a collective is gone.
+_PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer(?: \[[^\]]*\](?::\d+)?)?|Broken pipe")
+
+
+def lost_rank(exc: BaseException) -> str | None:
+    """What to say when ``exc`` is a collective that failed because another rank's process ended
+    (killed, out of memory): which rank (the other one of two; the peer's address otherwise) and
+    what gloo reported; None for any other error. The ranks come from the process group, or
+    where it is gone from the launchers' environment (torchrun's ``RANK``, Lightning's
+    ``LOCAL_RANK``, ``WORLD_SIZE``)."""
+    if not isinstance(exc, RuntimeError):
+        return None
+    found = _PEER_GONE.search(str(exc))
+    if found is None:
+        return None
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        env = os.environ
+        rank, world = int(env.get("RANK", env.get("LOCAL_RANK", "0"))), int(env.get("WORLD_SIZE", "0"))
+    if world == 2:
+        who = f"rank {1 - rank} of the 2 data-parallel ranks"
+    else:
+        who = f"another of the {world} data-parallel ranks" if world > 2 else "another data-parallel rank"
+    return f"{who} ended while rank {rank} waited for it in a collective ({found.group(0).strip()})"

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from pixelsac import cli, files
+from pixelsac import cli, files, rundir
 from pixelsac.checkpoint import CheckpointError
+from pixelsac.cli import UsageError
 from pixelsac.config import REPORT_SEED_OFFSET, ConfigError
 
 #: the default seed is the training seed + this: episodes unseen in training and in choosing best.ckpt
@@ -98,17 +100,39 @@ def make_env(config: dict[str, Any], seed: int) -> Any:
 
 
 def default_out_dir(checkpoint_file: Path, now: datetime.datetime | None = None) -> Path:
-    """``<run dir>/eval/<stem>-<date>-<time>`` for a checkpoint inside a run's ``checkpoints/``,
-    else ``eval/<stem>-<date>-<time>`` beside the checkpoint file."""
+    """Create and return ``<run dir>/eval/<stem>-<date>-<time>`` for a checkpoint inside a run's
+    ``checkpoints/``, else ``eval/<stem>-<date>-<time>`` beside the checkpoint file; ``-2``,
+    ``-3``... after the time when that folder exists. Created exclusively (``mkdir``), so two
+    evaluations started in the same second never share one. An ``eval`` that is a link (or not a
+    folder) is refused: the results would go wherever it points."""
     stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    eval_root = run_dir_of(checkpoint_file) / "eval"
+    _refuse_link(eval_root, "eval")
+    eval_root.mkdir(parents=True, exist_ok=True)
+    _refuse_link(eval_root, "eval")  # made a link meanwhile
+    suffix = 1
+    while True:
+        out_dir = eval_root / (f"{checkpoint_file.stem}-{stamp}" + (f"-{suffix}" if suffix > 1 else ""))
+        try:
+            out_dir.mkdir()
+            return out_dir
+        except FileExistsError:  # another evaluation in the same second (or a link of that name)
+            suffix += 1
+
+
+def run_dir_of(checkpoint_file: Path) -> Path:
+    """The run directory of a checkpoint in its ``checkpoints/``, else the checkpoint's folder."""
     parent = checkpoint_file.parent
-    base = parent.parent if parent.name == "checkpoints" else parent
-    out_dir = base / "eval" / f"{checkpoint_file.stem}-{stamp}"
-    suffix = 2
-    while out_dir.exists():  # two evaluations within one second
-        out_dir = base / "eval" / f"{checkpoint_file.stem}-{stamp}-{suffix}"
-        suffix += 1
-    return out_dir
+    return parent.parent if parent.name == "checkpoints" else parent
+
+
+def _refuse_link(path: Path, what: str) -> None:
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        target = f" (to {os.readlink(path)})" if path.is_symlink() else ""
+        raise UsageError(
+            f"{path} is {'a symbolic link' + target if path.is_symlink() else 'not a folder'}, where an "
+            f"evaluation writes its {what} folder; remove it, or choose out_dir=..."
+        )
 
 
 # --- running --------------------------------------------------------------------------------------
@@ -156,6 +180,7 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
     module = load_agent(checkpoint_file, checkpoint, device, options.arithmetic)
     seed = options.seed if options.seed is not None else int(config.get("seed", 0)) + EVAL_SEED_OFFSET
     env = make_env(config, seed)
+    lock: rundir.RunDirLock | None = None  # on the output folder, from its creation to results.json
     try:
         if tuple(env.obs_shape) != tuple(module.obs_shape) or env.action_dim != module.action_dim:
             raise CheckpointError(
@@ -168,7 +193,8 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
             if options.agent_view and env.obs_kind != "pixels":
                 raise ConfigError("agent_view=true needs a policy trained from pixels; this one sees states")
             env.render(options.video_size, options.video_camera)  # checks size and camera
-        out_dir = _prepare_out_dir(options, checkpoint_file)
+        lock = _claim_out_dir(options, checkpoint_file, out)
+        out_dir = lock.run_dir
         counters = saved_counters(checkpoint)
         out(f"checkpoint {checkpoint_file}")
         out(
@@ -202,9 +228,50 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
                 videos.append(recorder.save(out_dir / f"episode_{index:03d}.mp4"))
             out(_table_row(index, returns[-1], lengths[-1]))
         wall_seconds = time.perf_counter() - start
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     finally:
         env.close()
 
+    try:
+        return _write_results(
+            options,
+            checkpoint_file,
+            config,
+            module,
+            counters,
+            seed,
+            returns,
+            lengths,
+            videos,
+            out_dir,
+            wall_seconds,
+            env.action_repeat,
+            device,
+            out,
+        )
+    finally:
+        lock.release()
+
+
+def _write_results(
+    options: EvalOptions,
+    checkpoint_file: Path,
+    config: dict[str, Any],
+    module: Any,
+    counters: dict[str, Any],
+    seed: int,
+    returns: list[float],
+    lengths: list[int],
+    videos: list[Path],
+    out_dir: Path,
+    wall_seconds: float,
+    action_repeat: int,
+    device: Any,
+    out: Callable[[str], None],
+) -> Evaluation:
     results = _results(
         options,
         checkpoint_file,
@@ -217,7 +284,7 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
         videos,
         out_dir,
         wall_seconds,
-        env.action_repeat,
+        action_repeat,
         device,
     )
     files.write_atomically(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
@@ -238,13 +305,27 @@ def _both(*hooks: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
     return call
 
 
-def _prepare_out_dir(options: EvalOptions, checkpoint_file: Path) -> Path:
+def _claim_out_dir(options: EvalOptions, checkpoint_file: Path, out: Callable[[str], None]) -> rundir.RunDirLock:
+    """The output folder, created and locked (one evaluation writes a folder; the lock is held
+    until the caller releases it). A named ``out_dir`` is checked again under the lock: another
+    evaluation may have filled it since. A run being trained is said: its evaluation folder is
+    written beside the training, which never touches it."""
     if options.out_dir is None:
-        out_dir = default_out_dir(checkpoint_file)
-    else:
-        out_dir = cli.check_out_dir(options.out_dir, options.overwrite)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return out_dir
+        trainer = rundir.holder(run_dir_of(checkpoint_file))
+        if trainer is not None:
+            out(
+                f"note: {run_dir_of(checkpoint_file)} is being trained ({trainer}): evaluating {checkpoint_file.name} "
+                "as saved now, into its eval/ folder, which training does not write"
+            )
+        return rundir.RunDirLock(default_out_dir(checkpoint_file), key="out_dir").acquire()
+    out_dir = cli.check_out_dir(options.out_dir, options.overwrite)
+    lock = rundir.RunDirLock(out_dir, key="out_dir").acquire()
+    try:
+        cli.check_out_dir(out_dir, options.overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _count(value: int | None) -> str:

@@ -49,6 +49,13 @@ class LoggersAfterRestore(L.Callback):
         header: list[str] = []
         if trainer.is_global_zero:
             header, kept_rows = rows_until(metrics, self.resume_frames) if self.resume_frames is not None else ([], [])
+            torn = torn_line(metrics) if self.resume_frames is not None else None
+            if torn is not None:
+                print(
+                    f"pixelsac: {metrics}'s last line was cut off by a write that did not finish ({torn!r}): "
+                    "dropped; the resumed run logs what it held again if it came after the checkpoint",
+                    flush=True,
+                )
             if self.pending_eval_frames is not None:
                 kept_rows = [
                     row
@@ -73,12 +80,30 @@ def rows_until(metrics: Path, frames: int) -> tuple[list[str], list[dict[str, st
 
 
 def read_rows(metrics: Path) -> tuple[list[str], list[dict[str, str]]]:
-    """The CSV log's header and rows; none when there is no log yet."""
+    """The CSV log's header and whole rows (a last line without its line end, cut off by a write
+    that did not finish, is not one: :func:`torn_line`); none when there is no log yet."""
     if not metrics.is_file():
         return [], []
     with open(metrics, newline="") as f:
-        reader = csv.DictReader(f)
-        return list(reader.fieldnames or []), list(reader)
+        text = f.read()
+    if not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    return list(reader.fieldnames or []), list(reader)
+
+
+def torn_line(metrics: Path) -> str | None:
+    """The start of the CSV log's last line when it lacks its line end (a write cut off), else None."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            tail = f.read()
+    except FileNotFoundError:
+        return None
+    if not tail or tail.endswith(b"\n"):
+        return None
+    last = tail.rsplit(b"\n", 1)[-1].decode(errors="replace")
+    return last if len(last) <= 40 else last[:40] + "..."
 
 
 def csv_text(header: list[str], rows: list[dict[str, Any]], with_header: bool) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -23,23 +24,31 @@ LIBRARIES = ("torch", "lightning", "kornia", "numpy", "mujoco", "dm_control")
 def git_state(root: Path) -> tuple[str | None, bool | None]:
     """``(commit, changed)`` of the git checkout at ``root``: the full hash of ``HEAD`` and whether
     tracked files differ from it; ``(None, None)`` where ``root`` is no checkout or git cannot say
-    (not installed, too slow)."""
+    (not installed, too slow), ``(commit, None)`` where only the status cannot be read (a corrupt
+    index).
+
+    git runs without the caller's ``GIT_*`` variables (``GIT_DIR`` or ``GIT_WORK_TREE`` would
+    point it at another repository) and with ``GIT_OPTIONAL_LOCKS=0``: a status then reads the
+    index without refreshing it, so a run never takes ``index.lock`` beside a user's commit."""
     if not (root / ".git").exists():  # a file in a worktree, a folder in a clone
         return None, None
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
+    env = {name: value for name, value in os.environ.items() if not name.startswith("GIT_")}
+    env["GIT_OPTIONAL_LOCKS"] = "0"
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True, env=env
         ).stdout
+
+    try:
+        commit = git("rev-parse", "--verify", "HEAD").strip() or None
     except (OSError, subprocess.SubprocessError):
         return None, None
-    return commit or None, bool(status.strip())
+    try:
+        changed: bool | None = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):
+        changed = None
+    return commit, changed
 
 
 def _version(distribution: str) -> str | None:
@@ -69,6 +78,7 @@ def describe(code: dict[str, Any]) -> str:
     """One line: ``pixelsac 0.1.0 (git 4b4eb93, with uncommitted changes), torch 2.13.0+cpu, ...``."""
     where = ""
     if code.get("commit"):
-        where = f" (git {code['commit'][:7]}{', with uncommitted changes' if code.get('changed') else ''})"
+        state = {True: ", with uncommitted changes", None: ", status unreadable"}.get(code.get("changed"), "")
+        where = f" (git {code['commit'][:7]}{state})"
     libraries = ", ".join(f"{name} {code[name]}" for name in (*LIBRARIES, "python") if code.get(name))
     return f"pixelsac {code.get('pixelsac')}{where}, {libraries}"

@@ -101,6 +101,48 @@ def shared_run_dir(cfg: Any, rank: int) -> Path:
     return run_dir
 
 
+def check_sizes(cfg: Any, eval_env: Any, replay_device: Any, device: Any, world: int, fresh: bool) -> None:
+    """A ConfigError for a budget that ends within the seed phase (``fresh``: a new run), a replay
+    too small to sample from, or sizes this machine cannot hold (the replay, the env workers, the
+    agent), before any of them is allocated or started. ``eval_env`` gives the shapes, ``device``
+    is where the agent trains."""
+    from pixelsac.precision import PrecisionPolicy
+
+    seed_frames = cfg.train.seed_steps * eval_env.action_repeat
+    if fresh and cfg.train.updates_per_step > 0 and cfg.train.env_frames <= seed_frames:
+        raise ConfigError(
+            f"train.env_frames={cfg.train.env_frames} ends within the random seed phase "
+            f"(train.seed_steps={cfg.train.seed_steps} x action repeat {eval_env.action_repeat} "
+            f"= {seed_frames} frames), so no update would run; raise train.env_frames or lower "
+            "train.seed_steps"
+        )
+    footprint.check_replay_fits(cfg, eval_env, replay_device, world)
+    value_bytes = PrecisionPolicy(mode=cfg.precision).param_dtype.itemsize
+    footprint.check_run_fits(cfg, eval_env, device, world, value_bytes)
+    per_env = cfg.replay.capacity // cfg.env.num_envs
+    if per_env <= eval_env.frame_stack:  # a sample's stack and its next frame need more slots than that
+        raise ConfigError(
+            f"replay.capacity={cfg.replay.capacity} leaves each of the {cfg.env.num_envs} env(s) {per_env} slot(s); "
+            f"each needs more than its {eval_env.frame_stack} stacked frames: choose replay.capacity >= "
+            f"{(eval_env.frame_stack + 1) * cfg.env.num_envs}"
+        )
+
+
+def check_dry_run(cfg: Any, fresh: bool) -> None:
+    """What a run checks before it writes anything, without building it (``--print-config``):
+    the trainer settings, the replay's placement and the sizes (:func:`check_sizes`)."""
+    from pixelsac.replay import replay_placement
+
+    trainer = make_trainer(cfg)
+    device = trainer.strategy.root_device
+    replay_device, _ = replay_placement(cfg.replay, device)
+    eval_env = cli.env_from_config(cfg, cfg.seed + EVAL_SEED_OFFSET)
+    try:
+        check_sizes(cfg, eval_env, replay_device, device, trainer.world_size, fresh)
+    finally:
+        eval_env.close()
+
+
 def build_run(
     cfg: Any,
     resume_from: Path | None = None,
@@ -137,7 +179,6 @@ def build_run(
     from pixelsac.envs.vector import make_envs
     from pixelsac.module import SACModule
     from pixelsac.perf import PerfTracker
-    from pixelsac.precision import PrecisionPolicy
     from pixelsac.replay import ReplaySet, replay_placement
     from pixelsac.stopping import StopOnSignal
 
@@ -178,19 +219,8 @@ def build_run(
     # the checks that need no image come before the first render, whose renderer line would
     # otherwise precede their one-line error
     eval_env = cli.env_from_config(cfg, cfg.seed + EVAL_SEED_OFFSET)
-    seed_frames = cfg.train.seed_steps * eval_env.action_repeat
-    if resume_from is None and cfg.train.updates_per_step > 0 and cfg.train.env_frames <= seed_frames:
-        eval_env.close()
-        raise ConfigError(
-            f"train.env_frames={cfg.train.env_frames} ends within the random seed phase "
-            f"(train.seed_steps={cfg.train.seed_steps} x action repeat {eval_env.action_repeat} "
-            f"= {seed_frames} frames), so no update would run; raise train.env_frames or lower "
-            "train.seed_steps"
-        )
-    try:  # sizes this machine cannot hold are refused before any of them is allocated or started
-        footprint.check_replay_fits(cfg, eval_env, replay_device, world)
-        value_bytes = PrecisionPolicy(mode=cfg.precision).param_dtype.itemsize
-        footprint.check_run_fits(cfg, eval_env, trainer.strategy.root_device, world, value_bytes)
+    try:
+        check_sizes(cfg, eval_env, replay_device, trainer.strategy.root_device, world, fresh=resume_from is None)
     except ConfigError:
         eval_env.close()
         raise

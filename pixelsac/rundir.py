@@ -70,11 +70,13 @@ _WAYS_OUT = "a run writes only regular files and folders of its own: remove it, 
 
 class RunDirLock:
     """An exclusive lock on ``run_dir`` (created if absent), held until :meth:`release` or the
-    process's end. A UsageError names the holder when another process has it."""
+    process's end. A UsageError names the holder when another process has it. ``key``: the
+    option that names the folder, for that line (an evaluation's ``out_dir``)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, key: str = "run_dir") -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
+        self.key = key
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
@@ -97,12 +99,12 @@ class RunDirLock:
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise UsageError(
-                    f"run_dir {self.run_dir} is in use by {holder} (lock {self.path}); one process writes a "
-                    "run directory: wait for it to end, or choose another run_dir=..."
+                    f"{self.key} {self.run_dir} is in use by {holder} (lock {self.path}); one process writes "
+                    f"it: wait for it to end, or choose another {self.key}=..."
                 ) from None
             raise UsageError(
-                f"cannot lock run_dir {self.run_dir} ({os.strerror(exc.errno or 0)}): its filesystem "
-                "offers no file locks; choose a run_dir on one that does"
+                f"cannot lock {self.key} {self.run_dir} ({os.strerror(exc.errno or 0)}): its filesystem "
+                f"offers no file locks; choose a {self.key} on one that does"
             ) from None
         self._fd = fd
         try:  # who holds it, for the refusal another process prints (the lock holds without it)
@@ -116,6 +118,26 @@ class RunDirLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
+
+
+def holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s lock (a training run: ``pid N on host H``), or None when nobody
+    does; nothing is created. Tested with a shared lock, taken and dropped at once."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None  # no lock file (never trained here), or a link: no training run holds it
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            return _read_holder(fd) if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+        return None
+    finally:
+        os.close(fd)  # drops the shared lock with it
 
 
 def _read_holder(fd: int) -> str:

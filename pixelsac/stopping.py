@@ -6,15 +6,19 @@ named in ``stop.signals`` ask the run to stop; the handler only records the requ
 (:class:`StopRequest`, flags and a time -- nothing that allocates, blocks or raises), and the run
 acts on it between updates (:class:`StopOnSignal`):
 
-1. Before every agent step (seed steps included) each rank contributes what it knows -- a signal,
-   a second one, whether its environments are between episodes, how far the next boundary is,
-   whether its wait ran out -- and one all-reduce of five integers makes the same decision on
-   every rank. A signal seen by any one rank stops all of them at the same update, and no rank is
-   ever left alone in a collective. (Over gloo: on NCCL runs it costs no GPU synchronisation.)
+1. Before every agent step (seed steps included), and between the updates of a step that holds
+   several (``train.updates_per_step`` above 1, or several environments), each rank contributes
+   what it knows -- a signal, a second one, whether its environments are between episodes, how
+   far the next boundary is, whether its wait ran out -- and one all-reduce of five integers
+   makes the same decision on every rank. A signal seen by any one rank stops all of them at the
+   same update, and no rank is ever left alone in a collective. (Over gloo: on NCCL runs it costs
+   no GPU synchronisation.)
 2. When the next episode boundary is at most ``stop.max_wait_steps`` env steps away, the run keeps
    training to it, for at most ``stop.max_wait_seconds`` after the signal: a checkpoint taken
-   there resumes bit for bit. Otherwise it stops at once and the checkpoint is inexact (its
-   collector state says ``at_episode_boundary: False``; a resume starts fresh episodes).
+   there resumes bit for bit, also between a step's updates (the updates left are kept due and
+   a resume does them first). Otherwise it stops at once and the checkpoint is inexact (its
+   collector state says ``at_episode_boundary: False``; a resume starts fresh episodes). Asked
+   between updates too, the wait is bounded however many updates an agent step holds.
 3. ``last.ckpt`` and its replay file are written (saving is collective; every rank writes its own
    replay file, rank 0 the checkpoint), Lightning ends ``fit`` normally -- loggers flushed, run
    summary written -- and the entry point prints one line and exits with code 75
@@ -273,7 +277,8 @@ class StopOnSignal(L.Callback):
         self._start = (self.collector.agent_steps, pl_module.updates)
 
     def decide(self) -> bool:
-        """Stop here (before the next agent step)? The same answer on every rank."""
+        """Stop here (before the next agent step, or the next update of this one)? The same
+        answer on every rank."""
         request, collector = self.request, self.collector
         if self._world == 1 and not request.pending:
             return False

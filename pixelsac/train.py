@@ -291,6 +291,9 @@ def _command(argv: list[str], as_program: bool = False) -> int:
         train_args.check_early(argv)  # a mistyped key answers before dm_control and torch load
         cfg, point = resolve_run(argv)
         if dry_run:
+            from pixelsac.run import check_dry_run
+
+            check_dry_run(cfg, fresh=point is None)
             print(train_args.render(cfg), end="")
             return 0
         if point is not None and point.finished(cfg.train.env_frames):
@@ -313,13 +316,35 @@ def _command(argv: list[str], as_program: bool = False) -> int:
             stop.exit_code = cli.EXIT_IO_FAULT
             where = cfg.run_dir or os.environ.get("PIXELSAC_RUN_DIR", "the run directory")
             raise cli.RunFault(cli.describe_os_error(exc, AFTER_A_FAILED_WRITE, where), cli.EXIT_IO_FAULT) from exc
+        except Exception as exc:
+            lost = lost_process(exc)
+            if lost is None:
+                raise
+            stop.exit_code = cli.EXIT_PROCESS_LOST
+            where = cfg.run_dir or os.environ.get("PIXELSAC_RUN_DIR", "the run directory")
+            raise cli.RunFault(
+                f"{lost}; the last checkpoint in {where} stands: run the same command with resume=auto to continue",
+                cli.EXIT_PROCESS_LOST,
+            ) from exc
         return stop.exit_code
+
+
+def lost_process(exc: BaseException) -> str | None:
+    """What to say when ``exc`` means a process the run depends on died -- an environment worker
+    (:class:`pixelsac.envs.vector.EnvWorkerError`), another data-parallel rank
+    (:func:`pixelsac.distributed.lost_rank`) -- else None. Looked up, not imported: a run that
+    never loaded those modules cannot have raised their errors."""
+    vector = sys.modules.get("pixelsac.envs.vector")
+    if vector is not None and isinstance(exc, vector.EnvWorkerError):
+        return str(exc).splitlines()[0]
+    distributed = sys.modules.get("pixelsac.distributed")
+    return distributed.lost_rank(exc) if distributed is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (``argv`` None: this process's arguments, and stop signals that come
     after the run ended are ignored until it exits -- see :mod:`pixelsac.stopping`)."""
-    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, train_args.usage(USAGE))
+    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, lambda: train_args.usage(USAGE))
 
 
 if __name__ == "__main__":

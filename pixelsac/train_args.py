@@ -3,7 +3,8 @@
 * :func:`usage`: ``--help`` -- the entry point's text, then every group and key of
   ``conf/config.yaml`` with its default and meaning (:mod:`pixelsac.config_keys`).
 * :func:`split_print_config`: the dry run. ``--print-config`` (or ``print_config=true``) makes the
-  command print the composed, validated configuration as YAML and exit 0, writing nothing.
+  command print the composed, validated configuration as YAML and exit 0, writing nothing, once
+  the sizes a run checks before it starts pass (:func:`pixelsac.run.check_dry_run`).
 * :func:`check_early`: a new run's overrides are composed and validated here, before dm_control,
   torch or Lightning are imported, so a mistyped key or a wrong type answers in a second. What
   needs those libraries (the task name against the dm_control suite, a checkpoint to resume)
@@ -31,7 +32,7 @@ def usage(text: str) -> str:
     return (
         f"{text.rstrip()}\n\n"
         f"{PRINT_FLAG} (or {PRINT_KEY}=true) prints the composed, validated configuration and exits without "
-        "running or writing anything.\n\n"
+        "running or writing anything, after the size checks a run makes before it starts.\n\n"
         "Keys (conf/config.yaml; every one with its full meaning: docs/configuration.md):\n\n"
         f"{help_text(conf_dir() / 'config.yaml')}\n"
     )

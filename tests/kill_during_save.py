@@ -27,6 +27,7 @@ def hanging_replace(tmp: Path, path: Path) -> None:
 
 callbacks._fsync_and_replace = hanging_replace
 
-from pixelsac.train import main  # noqa: E402
+if __name__ == "__main__":  # env worker processes (env.num_envs > 1, spawned) import this module again
+    from pixelsac.train import main
 
-sys.exit(main(merged(*sys.argv[2:])))
+    sys.exit(main(merged(*sys.argv[2:])))

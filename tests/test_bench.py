@@ -15,6 +15,7 @@ from pixelsac.benchmark import cells, report
 from pixelsac.benchmark import plan as plan_mod
 from pixelsac.config import load_config, to_plain
 from pixelsac.module import SACModule
+from pixelsac.precision import native_half_kernels
 
 TINY = [
     "task=cartpole_swingup",
@@ -392,3 +393,48 @@ def test_each_row_says_which_path_the_split_k_products_took(tmp_path):
     rows = {r["mode"]: r for r in csv.DictReader((out / "bench.csv").open())}
     assert rows["fp32"]["split_k"] == "off"
     assert rows["fp16"]["split_k"] == "fp32_copies (no mixed-dtype GEMM on a CPU)"
+
+
+NATIVE_FP16 = native_half_kernels(torch.float16)
+
+
+@pytest.mark.skipif(NATIVE_FP16 is not None, reason="this CPU has native fp16 kernels: nothing is left out")
+def test_a_cpu_without_native_fp16_leaves_the_80x_modes_out_unless_named(tmp_path):
+    """The default modes ran amp and fp16-native on torch's reference fp16 CPU kernels (~80x
+    fp32's time: amp at batch 512 took 85 s an update), so pixelsac-bench with no arguments did not
+    finish on such a CPU. They are left out, said in a note, and run when bench.modes names them."""
+    plan = plan_mod.make_plan([*TINY, f"bench.out={tmp_path / 'unused'}"])
+    assert [cell.mode for cell in plan.cells] == ["fp32", "bf16", "fp16-naive", "fp16"]
+    assert not any(cell.reference_fp16 for cell in plan.cells)
+    note = next(note for note in plan.notes if note.startswith("amp, fp16-native: left out on this CPU"))
+    assert "name them in bench.modes" in note and "fp16 autocast" in note
+    named = plan_mod.make_plan([*TINY, "bench.modes=fp32,amp,fp16-native", f"bench.out={tmp_path / 'unused'}"])
+    assert [(cell.mode, cell.reference_fp16) for cell in named.cells] == [
+        ("fp32", False),
+        ("amp", True),
+        ("fp16-native", True),
+    ]
+
+
+def test_each_cells_expected_time_is_printed_before_the_first_cell(tmp_path, monkeypatch, capsys):
+    plan = plan_mod.make_plan([*TINY, "bench.modes=fp32,fp16", "bench.device=cpu", f"bench.out={tmp_path / 'b'}"])
+    amp = plan_mod.make_plan([*TINY, "bench.modes=amp", "bench.device=cpu", f"bench.out={tmp_path / 'c'}"]).cells
+    plan.cells += amp
+
+    def measure(plan, spec):
+        print("measuring", spec.mode)
+        return {"mode": spec.mode, "variant": "", "speed_variant": "", "batch_size": 4, "device": "cpu", "status": "x"}
+
+    monkeypatch.setattr(cells, "_measure", measure)
+    cells.run_plan(plan)
+    out = capsys.readouterr().out
+    assert out.index("expected times on this CPU") < out.index("measuring fp32")
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if ": about " in line}
+    assert set(lines) == {"fp32 batch 4", "fp16 batch 4", "amp batch 4", "in all"}
+    gflop = cells._plan_flops(plan.cells[0], {}).gflop_per_update
+    fp32, reference = (
+        plan_mod.expected_seconds(cell, gflop, torch.get_num_threads()) for cell in (plan.cells[0], amp[0])
+    )
+    start = plan_mod.CELL_START_SECONDS
+    if amp[0].reference_fp16:  # the reference kernels' update time is ~80x fp32's
+        assert reference - start == pytest.approx((fp32 - start) * plan_mod.REFERENCE_FP16_SLOWDOWN)

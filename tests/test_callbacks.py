@@ -168,3 +168,18 @@ def test_the_progress_bar_reads_no_tensor_when_it_redraws(tmp_path):
     trainer.fit(Agent(), torch.utils.data.DataLoader([torch.zeros(1)] * 12, batch_size=None))
     assert CountReads.reads == 0
     assert bar.shown == {"frames": "0", "return": 3.5, "critic_loss": 3.0}
+
+
+def test_a_resume_says_when_the_csv_logs_last_line_was_cut_off(tmp_path, capsys):
+    """A write cut off mid-row left metrics.csv ending in a torn line, which a resume kept as a
+    row of partial values without a word. It is dropped, and said."""
+    from pixelsac.logs import LoggersAfterRestore
+
+    metrics = tmp_path / "metrics.csv"
+    whole = "step,env_frames,train/critic_loss\r\n160,160,0.5\r\n192,192,0.25\r\n"
+    metrics.write_text(whole + "224,224,0.1", newline="")  # the last row's write cut off
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[])
+    LoggersAfterRestore(tmp_path, resume_frames=256, pending_eval_frames=None).on_fit_start(trainer, None)
+    out = capsys.readouterr().out
+    assert f"pixelsac: {metrics}'s last line was cut off by a write that did not finish ('224,224,0.1'): dropped" in out
+    assert metrics.read_bytes() == whole.encode()  # the whole rows, as they were

@@ -121,10 +121,69 @@ def test_stream_keeps_the_update_to_data_ratio_and_the_budget(updates_per_step):
 
 
 def test_stream_stops_before_a_step_when_asked():
-    collector, *_ = make(seed_steps=0)
+    collector, *_ = make(seed_steps=0, num_envs=1)
     stream = ExperienceStream(collector, 2, 100, 1, np.random.default_rng(1))
     stream.stop_check = lambda: collector.agent_steps >= 4
     assert len(list(stream)) == 4 and stream.stopped_early and collector.agent_steps == 4
+
+
+def _stream(collector, updates_per_step, total_agent_steps=16):
+    """A stream sampling with the collector's RNG, as a run's does (so the state holds it)."""
+    return ExperienceStream(collector, 3, total_agent_steps, updates_per_step, collector.rng)
+
+
+def _same_batches(a, b):
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(x[k].equal(y[k]) for k in x) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("updates_per_step,num_envs", [(2, 1), (1, 2), (3, 2)])
+def test_a_checkpoint_between_a_steps_updates_resumes_with_the_rest_of_them(updates_per_step, num_envs):
+    """A checkpoint taken after the first update of a step that ended an episode (where the
+    Checkpointer writes one) holds the step's updates still due: the resumed stream draws them
+    first, and the two halves are the uninterrupted stream's batches. Before, the resume
+    collected the next step at once: updates_per_step x num_envs - 1 updates were lost."""
+    collector, *_ = make(seed_steps=2, num_envs=num_envs)
+    straight = list(_stream(collector, updates_per_step))
+
+    collector, _, replay, _ = make(seed_steps=2, num_envs=num_envs)
+    first = []
+    for batch in _stream(collector, updates_per_step):
+        first.append(batch)
+        if collector.agent_steps > 2 and collector.at_episode_boundary:
+            break  # a checkpoint now, then a crash
+    saved, saved_replay = collector.state_dict(), replay.state_dict()
+    assert saved["batches_due"] == updates_per_step * num_envs - 1
+
+    resumed, _, resumed_replay, _ = make(seed_steps=2, num_envs=num_envs)
+    resumed_replay.load_state_dict(saved_replay)
+    resumed.load_state_dict(saved)
+    rest = list(_stream(resumed, updates_per_step))
+    assert _same_batches(first + rest, straight)
+    assert resumed.agent_steps == 16 and resumed.batches_due == 0
+
+
+def test_a_stop_lands_between_the_updates_of_a_step():
+    """However many updates a step holds, a stop is asked between them (its wait is bounded, a
+    second signal saves at once); the updates left stay due. With one update per step (the
+    default) the stop is asked before each step only, as it always was."""
+    collector, *_ = make(seed_steps=0, num_envs=1)
+    stream = _stream(collector, updates_per_step=1000)
+    drawn = []
+    stream.stop_check = lambda: len(drawn) >= 3
+    for batch in stream:
+        drawn.append(batch)
+    assert len(drawn) == 3 and stream.stopped_early and stream.collector.agent_steps == 1
+    assert collector.batches_due == 997 and not stream.exhausted and len(stream) == 997 + 15 * 1000
+
+    collector, *_ = make(seed_steps=2, num_envs=1)
+    stream, asked = _stream(collector, updates_per_step=1), []
+    stream.stop_check = lambda: asked.append(collector.agent_steps) or False
+    assert len(list(stream)) == 16 - 2 and asked == list(range(16))  # before every step, seed steps included
+
+    collector, *_ = make(seed_steps=2, num_envs=2)  # a step of two envs holds two updates: asked between them
+    stream, asked = _stream(collector, updates_per_step=1), []
+    stream.stop_check = lambda: asked.append(collector.agent_steps) or False
+    assert len(list(stream)) == 16 - 2 and asked == [0, 2, *[n for n in range(4, 16, 2) for _ in "ab"], 16]
 
 
 def test_run_episodes_plays_whole_episodes_and_can_give_up():

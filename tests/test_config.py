@@ -167,6 +167,7 @@ def test_ordinary_float_notation_is_a_number(override, key, value):
         ("agent.lr=" + "7" * 100_000, "agent.lr=7777777777... (100,000 digits) is too long to be a number"),
         ("agent.lr=1e3x", "agent.lr='1e3x' has the wrong type; it takes a number"),
         ("train.eval_episodes=0", "train.eval_episodes=0 must be positive"),
+        ("train.updates_per_step=1000000", "train.updates_per_step=1000000 is more than 1024 updates per agent step"),
     ],
 )
 def test_numbers_that_are_no_setting_are_one_line(override, fragment):
@@ -230,3 +231,23 @@ def test_entry_point_options_take_ordinary_numbers_and_each_key_once(tmp_path):
     assert load_options("tool", ["episodes=1e1", "scale=1e-2"], conf=tmp_path) == {"episodes": 10, "scale": 0.01}
     with pytest.raises(ConfigError, match=re.escape("episodes is given twice: 'episodes=2' and 'episodes=3'")):
         load_options("tool", ["episodes=2", "episodes=3"], conf=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("task=" + "a" * 120_000, "task='aaaaaaaaa... (120,002 characters) must be a task name such as cheetah_run"),
+        ("task=../../etc/passwd", "task='../../etc/passwd' must be a task name"),
+        ("preset=" + "p" * 120_000, "unknown preset 'ppppppppp... (120,002 characters)"),
+        ("run_dir=a\x1b[31mred", "run_dir=... holds the control character '\\x1b' at position 1 of its value"),
+        ("run_dir=runs/a\nb", "run_dir=... holds the control character '\\n' at position 6 of its value"),
+        ("agent\x1b.lr=1", "agent\\x1b.lr=... holds the control character '\\x1b' at position 5 of its key"),
+    ],
+)
+def test_names_and_paths_that_cannot_be_are_one_short_line(override, fragment):
+    """A 120 KB task name was looked up as a file (exit 74, "File name too long", echoing all of
+    it); a run_dir with ESC or a newline was accepted and echoed raw to the terminal."""
+    with pytest.raises(ConfigError) as info:
+        load_config([override])
+    line = str(info.value)
+    assert line.startswith(fragment) and "\n" not in line and "\x1b" not in line and len(line) < 300, line[:300]

@@ -97,6 +97,38 @@ def test_print_config_still_validates(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("replay.capacity=100000000000000", "error: replay.capacity=100,000,000,000,000 needs "),
+        ("env.num_envs=100000", "error: env.num_envs=100,000 is more environment workers than this machine holds"),
+        ("env.image_size=100000", "error: render size 100000 exceeds the offscreen buffer"),
+        ("train.env_frames=100", "error: train.env_frames=100 ends within the random seed phase"),
+    ],
+)
+def test_print_config_refuses_what_the_run_refuses(tmp_path, monkeypatch, capsys, override, message):
+    """The dry run checks the sizes the run checks before it allocates (it printed and exited 0)."""
+    from pixelsac.train import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["preset=tiny", override, "--print-config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(message) and captured.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--print-config", "--help"])
+def test_a_conf_folder_that_is_not_there_is_one_line(tmp_path, monkeypatch, capsys, flag):
+    """PIXELSAC_CONF naming no conf folder: one line, exit 2 (a FileNotFoundError traceback before)."""
+    from pixelsac.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PIXELSAC_CONF", str(tmp_path / "nonexistent"))
+    assert main(["preset=tiny", flag]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: PIXELSAC_CONF=") and "holds no config.yaml" in err and err.count("\n") == 1
+
+
 def test_split_print_config():
     assert split_print_config(["a=1", "--print-config"]) == (["a=1"], True)
     assert split_print_config(["print_config=true", "b=2"]) == (["b=2"], True)

@@ -419,7 +419,7 @@ def test_a_results_file_that_cannot_be_written_whole_is_not_left_half_written(ru
     monkeypatch.setattr(os, "fsync", failing_fsync)
     with pytest.raises(OSError):
         ev.evaluate(options, out=lambda line: None)
-    assert list(out_dir.iterdir()) == []
+    assert [p.name for p in out_dir.iterdir()] == [".lock"]  # the folder's lock: no results.json, no temporary
 
 
 @pytest.mark.parametrize("arithmetic, dtype", [("fp32", torch.float32), ("fp64", torch.float64)])
@@ -479,3 +479,70 @@ def test_an_evaluation_on_a_gpu_acts_with_the_forward_pass_training_used(tmp_pat
     convs = [m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
     assert convs and all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
     assert not all(w.is_contiguous() for w in convs)
+
+
+# --- one writer per output folder -------------------------------------------------------------------
+
+
+def test_an_out_dir_another_evaluation_writes_is_refused(run16, tmp_path, capsys):
+    """Two evaluations with one out_dir both said "wrote DIR/results.json" and one result was lost
+    (with video, one exited 74: the other had taken its temporary file). The folder is locked."""
+    import os
+
+    from pixelsac.rundir import RunDirLock
+
+    out = tmp_path / "out"
+    other = RunDirLock(out, key="out_dir").acquire()  # another evaluation, writing there now
+    try:
+        code = ev.main([f"checkpoint={run16}", f"out_dir={out}", "episodes=1", "video=false"])
+    finally:
+        other.release()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"out_dir {out} is in use by pid {os.getpid()}" in err
+    assert [p.name for p in out.iterdir()] == [".lock"]  # nothing of this evaluation's
+
+
+def test_default_out_dirs_are_created_one_per_evaluation(tmp_path):
+    """The default eval/<stem>-<time> was checked for and created later: two evaluations in the
+    same second could both choose it. Each is made exclusively, at once."""
+    import datetime
+
+    from pixelsac.evaluation import default_out_dir
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    first, second = default_out_dir(checkpoint, now), default_out_dir(checkpoint, now)
+    assert first.name == "last-20260102-030405" and second.name == "last-20260102-030405-2"
+    assert first.is_dir() and second.is_dir() and first.parent == tmp_path / "run" / "eval"
+
+
+def test_an_eval_folder_that_is_a_link_is_refused(run16, tmp_path, capsys):
+    run_copy, elsewhere = shutil.copytree(run16, tmp_path / "run"), tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run_copy / "eval").symlink_to(elsewhere)
+    code = ev.main([f"checkpoint={run_copy}", "episodes=1", "video=false"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{run_copy / 'eval'} is a symbolic link (to {elsewhere})" in err, err
+    assert list(elsewhere.iterdir()) == []  # nothing written through it
+
+
+def test_evaluating_a_run_being_trained_says_so(run16, tmp_path):
+    import os
+
+    from pixelsac.rundir import RunDirLock
+
+    run_copy = shutil.copytree(run16, tmp_path / "run")
+    training = RunDirLock(run_copy).acquire()  # as a training process holds it
+    lines: list[str] = []
+    try:
+        evaluation = ev.evaluate(
+            ev.parse_options([f"checkpoint={run_copy}", "episodes=1", "video=false"]), lines.append
+        )
+    finally:
+        training.release()
+    assert lines[0] == (
+        f"note: {run_copy} is being trained (pid {os.getpid()} on host {__import__('socket').gethostname()}): "
+        "evaluating best.ckpt as saved now, into its eval/ folder, which training does not write"
+    )
+    assert evaluation.out_dir.parent == run_copy / "eval" and (evaluation.out_dir / "results.json").is_file()

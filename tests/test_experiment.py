@@ -7,9 +7,12 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -362,3 +365,85 @@ def test_dry_run_prints_commands_and_writes_nothing(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.count("-m pixelsac.train") == 6 and "lowp.all=false" in printed
     assert "6 of 6 runs would train" in printed and not out.exists()
+
+
+# --- one grid per folder, signals, its record ------------------------------------------------------
+
+GRID = ["--tasks", "cartpole_swingup", "--modes", "fp32,fp16", "--seeds", "1,2", *GRID_OVERRIDES]
+#: a stand-in for pixelsac.train: marks its run directory, then waits; SIGTERM ends it as a stopped run
+FAKE_TRAIN = (
+    "import pathlib, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+    "run_dir = next(a.partition('=')[2] for a in sys.argv if a.startswith(('run_dir=', 'resume=')))\n"
+    "(pathlib.Path(run_dir) / 'started').touch()\n"
+    "time.sleep(300)\n"
+)
+GRID_WITH_FAKE_RUNS = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('experiment', sys.argv[1])\n"
+    "experiment = sys.modules['experiment'] = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(experiment)\n"
+    "experiment.train_command = lambda args: [sys.executable, '-c', sys.argv[2], *args]\n"
+    "sys.exit(experiment.main(sys.argv[3:]))\n"
+)
+
+
+def test_a_signal_stops_the_grid_with_75_and_grid_json_says_what_ran(tmp_path):
+    """SIGTERM to a grid of --jobs 2 exited 143 and left grid.json saying "running". It is passed
+    on to the runs in progress (they stop with their work saved), none starts after it, and the
+    grid exits 75 with them recorded as stopped and the rest as pending."""
+    out = tmp_path / "grid"
+    grid = subprocess.Popen(
+        [sys.executable, "-c", GRID_WITH_FAKE_RUNS, str(REPO / "tools" / "experiment.py"), FAKE_TRAIN]
+        + [*GRID, "--jobs", "2", "--out", str(out)],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(out.glob("*/*/*/started"))) < 2 and grid.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list(out.glob("*/*/*/started"))) == 2, grid.communicate(timeout=60)
+        grid.send_signal(signal.SIGTERM)
+        stdout, stderr = grid.communicate(timeout=60)
+    finally:
+        grid.kill()
+    assert grid.returncode == 75, stderr[-2000:]
+    assert "grid: stopped by SIGTERM: 2 run(s) stopped with their work saved, 2 not started" in stdout
+    runs = json.loads((out / "grid.json").read_text())["runs"]
+    assert sorted(run["status"] for run in runs.values()) == ["pending", "pending", "stopped", "stopped"]
+
+
+def test_a_second_grid_on_one_out_folder_is_refused(tmp_path, monkeypatch, capsys):
+    """Two grids on one --out both rewrote grid.json and results.md and appended to one log."""
+    from pixelsac.rundir import RunDirLock
+
+    out = tmp_path / "grid"
+    started = []
+    monkeypatch.setattr(experiment, "execute", lambda plan, state, stop=None: started.append(plan) or "done")
+    first = RunDirLock(out).acquire()  # the first grid, running
+    try:
+        assert experiment.main([*GRID, "--out", str(out)]) == 2
+        assert experiment.main(["--collect-only", *GRID, "--budgets", "320", "--out", str(out)]) == 2
+    finally:
+        first.release()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(f"error: --out {out} is in use by pid {os.getpid()}" in line for line in err), err
+    assert started == [] and [p.name for p in out.iterdir()] == [".lock"]
+
+
+@pytest.mark.parametrize("collect_only", [False, True])
+def test_a_grid_json_that_cannot_be_read_is_refused_not_overwritten(tmp_path, monkeypatch, capsys, collect_only):
+    out = tmp_path / "grid"
+    out.mkdir()
+    (out / "grid.json").write_text('{"spec": {"tasks": ["cartpole_swingup"]}, "runs": {')  # cut short
+    monkeypatch.setattr(experiment, "execute", lambda plan, state, stop=None: "done")
+    args = ["--collect-only", *GRID, "--budgets", "320"] if collect_only else GRID
+    assert experiment.main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {out / 'grid.json'} cannot be read ("), err
+    assert "is not overwritten" in err[0]
+    assert (out / "grid.json").read_text().endswith('"runs": {')

@@ -122,6 +122,97 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path)
     ]
 
 
+# agent steps holding several updates: two per step, or one per step of each of two envs
+SEVERAL = {"updates": ["train.updates_per_step=2"], "envs": ["env.num_envs=2"]}
+SEVERAL_ARGS = [*TINY, "precision=fp32", "perf.calibrate_updates=0", "train.video_every_evals=0", "train.num_threads=1"]
+
+
+@pytest.fixture(scope="module")
+def straight_several(tmp_path_factory):
+    """Uninterrupted runs of each SEVERAL setting, started together in the background."""
+    root = tmp_path_factory.mktemp("straight_several")
+    procs = {k: start_cli(*SEVERAL_ARGS, *v, f"run_dir={root / k}", cwd=root) for k, v in SEVERAL.items()}
+
+    def get(setting: str) -> Path:
+        _, err = procs[setting].communicate(timeout=600)
+        assert procs[setting].returncode == 0, err[-2000:]
+        return root / setting
+
+    yield get
+    for proc in procs.values():
+        proc.kill()
+        proc.communicate()
+
+
+def assert_same_end(a: dict, b: dict) -> None:
+    assert a["pixelsac"]["updates"] == b["pixelsac"]["updates"]
+    for key in a["state_dict"]:
+        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
+    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
+        for idx, state in opt_a["state"].items():
+            for name, value in state.items():
+                other = opt_b["state"][idx][name]
+                assert torch.equal(value, other) if torch.is_tensor(value) else value == other, name
+    assert a["callbacks"]["Checkpointer"]["collector"] == b["callbacks"]["Checkpointer"]["collector"]
+    assert a["callbacks"]["Evaluator"]["best_return"] == b["callbacks"]["Evaluator"]["best_return"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["updates", "envs"])
+def test_sigkill_after_a_checkpoint_between_a_steps_updates_resumes_bit_for_bit(tmp_path, straight_several, setting):
+    """The evaluation at frame 160 asks for a checkpoint; it is written at the next episode
+    boundary, after the first of that agent step's two updates. Killed (SIGKILL) at the next save,
+    the run resumes from it with resume=auto and ends where the uninterrupted run does: before,
+    the step's second update was lost (47 updates instead of 48, 23 instead of 24)."""
+    run_dir, marker = tmp_path / "run", tmp_path / "saving"
+    command = [*SEVERAL_ARGS, *SEVERAL[setting], f"run_dir={run_dir}", "resume=auto"]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "kill_during_save.py"), str(marker), *command],
+        cwd=tmp_path,
+        env=cli_env(TESTS),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.time() + 500
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no save"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = weights(run_dir)["callbacks"]["Checkpointer"]["collector"]
+    assert saved["at_episode_boundary"] and saved["batches_due"] == 1  # one of the step's two updates to come
+
+    resumed = run_cli(*command, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_end(weights(run_dir), weights(straight_several(setting)))
+
+
+@pytest.mark.slow
+def test_a_stop_between_a_steps_updates_saves_there_and_resumes_bit_for_bit(tmp_path, straight_several):
+    """SIGTERM after the first of a step's two updates, at an episode boundary: the stop lands
+    before the second (it used to wait for the whole step), exact, and the resume does that update
+    first and ends where the uninterrupted run does."""
+    run_dir = tmp_path / "run"
+    command = [*SEVERAL_ARGS, *SEVERAL["updates"], f"run_dir={run_dir}", "resume=auto"]
+    # update 15 is the first of agent step 24's, which ends the third episode
+    stopped = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "stop_helper.py"), *command],
+        cwd=tmp_path,
+        env=cli_env(TESTS, SELF_SIGNAL="SIGTERM@15"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    assert "stopped by SIGTERM after update 15 at env frame 192" in stopped.stdout
+    assert "(exact: at an episode boundary)" in stopped.stdout
+    assert weights(run_dir)["callbacks"]["Checkpointer"]["collector"]["batches_due"] == 1
+
+    resumed = run_cli(*command, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_end(weights(run_dir), weights(straight_several("updates")))
+
+
 @pytest.mark.slow
 def test_collapsed_loss_scale_stops_with_message_and_loadable_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
@@ -177,6 +268,8 @@ def test_injected_inf_gradient_skips_the_step_and_leaves_parameters_bitwise_unch
         (["resume=."], "no checkpoint in ."),
         (["env.image_size=-3"], "env.image_size=-3 must be positive"),
         (["replay.capacity=0"], "replay.capacity=0 must be positive"),
+        ([*TINY, "replay.capacity=1"], "error: replay.capacity=1 leaves each of the 1 env(s) 1 slot(s)"),
+        ([*TINY, "replay.capacity=7", "env.num_envs=2"], "leaves each of the 2 env(s) 3 slot(s)"),
     ],
 )
 def test_bad_paths_and_sizes_exit_2_and_write_nothing(tmp_path, monkeypatch, capsys, args, message):

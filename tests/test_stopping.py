@@ -388,3 +388,37 @@ def test_ddp_signal_to_one_rank_stops_both_at_the_same_update_and_both_resume(tm
     assert codes == [0, 0] and a["updates"] == b["updates"] == 12 and a["env_frames"] == 160
     assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
     assert resumed.stdout.count("done:") == 1
+
+
+@pytest.mark.slow
+def test_ddp_a_killed_rank_leaves_the_other_with_one_line_and_exit_5(tmp_path):
+    """A data-parallel rank SIGKILLed mid-run left the other with gloo's traceback and exit 1; it
+    now says which rank ended and that resume=auto continues, with exit code 5."""
+    run_dir, dump, mark = tmp_path / "run", tmp_path / "dump", tmp_path / "mark"
+    dump.mkdir()
+    proc = start(
+        *FAST,
+        *DDP,
+        "precision=fp32",
+        f"run_dir={run_dir}",
+        cwd=tmp_path,
+        DUMP_DIR=str(dump),
+        MARK_FILE=str(mark),
+        MARK_UPDATES="3",
+        UPDATE_SLEEP="0.3",
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), finish(proc, timeout=60).stderr[-3000:]
+        os.kill(int((dump / "pid-rank1").read_text()), signal.SIGKILL)
+        result = finish(proc, timeout=300)
+    finally:
+        proc.kill()
+    assert result.returncode == 5, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "error: rank 1 of the 2 data-parallel ranks ended while rank 0 waited for it in a collective (" in (
+        result.stderr
+    )
+    assert "run the same command with resume=auto to continue" in result.stderr

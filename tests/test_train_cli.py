@@ -120,3 +120,41 @@ def test_tiny_fp16_run_ends_with_finite_fp16_weights(tiny_fp16_run):
     assert set(scalers) == {"critic", "actor", "alpha"}
     header = (run_dir / "metrics.csv").read_text().splitlines()[0]
     assert "lowp/loss_scale_critic" in header and "lowp/skipped_critic" in header
+
+
+@pytest.mark.parametrize(
+    "error,said",
+    [
+        (
+            "worker",
+            "error: env worker 1 (cartpole_swingup, seed 2) died with exit code -9; the last checkpoint in ",
+        ),
+        (
+            "rank",
+            "error: rank 1 of the 2 data-parallel ranks ended while rank 0 waited for it in a collective "
+            "(Connection closed by peer [127.0.0.1]:15009); the last checkpoint in ",
+        ),
+    ],
+)
+def test_a_process_of_the_run_that_died_exits_5_saying_resume_continues(tmp_path, monkeypatch, capsys, error, said):
+    """A killed env worker exited 2 ("bad input": a grid recorded the run as refused) and a killed
+    data-parallel rank left the other with gloo's traceback and exit 1. Neither is bad input: one
+    line, its own code, and resume=auto continues."""
+    import pixelsac.distributed  # noqa: F401  (loaded by every run; lost_rank reads the gloo error)
+    import pixelsac.train as train_mod
+    from pixelsac.envs.vector import EnvWorkerError
+
+    def dies(cfg, stop=None, resume=None):
+        if error == "worker":
+            raise EnvWorkerError("env worker 1 (cartpole_swingup, seed 2) died with exit code -9")
+        raise RuntimeError(
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:15009. "
+            "This is typically caused by a remote worker crashing."
+        )
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train_mod, "train", dies)
+    code, err = main_in(tmp_path, monkeypatch, capsys, *TINY, "run_dir=out")
+    assert code == 5 and err.count("\n") == 1, err
+    assert err.startswith(said) and err.rstrip().endswith("run the same command with resume=auto to continue"), err

@@ -26,11 +26,19 @@ mean over the seeds both reached with a bootstrap 95% CI), and learning curves (
 Bad arguments: one ``error:`` line, exit 2. Exit 1 when a run crashed or was refused (see its
 train.log); else 75 when a run was stopped by a signal with its work saved (the next start
 resumes it).
+
+One grid writes an ``--out`` folder at a time: it holds a lock on it (``OUT/.lock``) from its
+first write to its exit, and a second grid (or ``--collect-only``) there is refused in one line.
+A SIGTERM or SIGINT to the grid is passed on to the runs in progress (they save their work and
+exit 75), no further run starts, grid.json records them as stopped and the rest as pending, and
+the grid exits 75: the same command resumes it. A grid.json that cannot be read is refused in
+one line, never overwritten (it holds the grid's history).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import importlib.util
@@ -56,8 +64,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pixelsac import lifeline  # noqa: E402  (the repository is on sys.path from here)
+from pixelsac.cli import UsageError  # noqa: E402
 from pixelsac.config import SIX as SWITCHES  # noqa: E402
 from pixelsac.provenance import git_state  # noqa: E402
+from pixelsac.rundir import RunDirLock  # noqa: E402
 
 MODES: dict[str, list[str]] = {
     "fp32": ["precision=fp32"],
@@ -364,11 +374,20 @@ class GridState:
         self.path = out / "grid.json"
         self.lock = threading.Lock()
         self.data: dict[str, Any] = {"spec": {}, "invocations": [], "runs": {}}
-        if self.path.is_file():
+        if self.path.exists() or self.path.is_symlink():
             try:
-                self.data.update(json.loads(self.path.read_text()))
-            except (OSError, json.JSONDecodeError):
-                pass
+                saved = json.loads(self.path.read_text())
+                if not isinstance(saved, dict) or not all(
+                    isinstance(saved.get(key, {}), kind) for key, kind in (("spec", dict), ("runs", dict))
+                ):
+                    raise ValueError("not the mapping of spec, invocations and runs a grid writes")
+            except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                reason = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+                raise GridError(
+                    f"{self.path} cannot be read ({reason}); it holds the grid's history, so it is not "
+                    "overwritten: repair it, or move it aside to start a new record"
+                ) from None
+            self.data.update(saved)
 
     def update_run(self, key: str, **fields: Any) -> None:
         with self.lock:
@@ -382,8 +401,44 @@ class GridState:
         os.replace(tmp, self.path)
 
 
-def execute(plan: Plan, state: GridState) -> str:
-    """Run one training subprocess, its output appended to train.log; returns its status."""
+class GridStop:
+    """A stop signal to the grid (SIGTERM, SIGINT): passed on to the runs in progress as SIGTERM
+    (each saves its work and exits 75), and no run starts after it."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self.runs: set[subprocess.Popen] = set()
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self.handle) for signum in self.SIGNALS}
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.signal_name = signal.Signals(signum).name
+        with contextlib.suppress(OSError):
+            os.write(2, f"grid: {self.signal_name}: stopping the runs in progress (their work is saved)\n".encode())
+        for run in list(self.runs):
+            self.pass_on(run)
+
+    def pass_on(self, run: subprocess.Popen) -> None:
+        with contextlib.suppress(OSError):
+            if run.poll() is None:
+                run.send_signal(signal.SIGTERM)
+
+
+def execute(plan: Plan, state: GridState, stop: GridStop | None = None) -> str:
+    """Run one training subprocess, its output appended to train.log; returns its status
+    ("not started" after a stop signal: grid.json keeps it pending)."""
+    stop = stop or GridStop()
+    if stop.signal_name:
+        return "not started"
     spec = plan.spec
     if plan.action == "restart" and spec.run_dir.exists():
         shutil.rmtree(spec.run_dir)  # a failed or checkpoint-less run starts afresh, nothing stale kept
@@ -403,9 +458,18 @@ def execute(plan: Plan, state: GridState) -> str:
         # SIGTERM when the grid process ends, however it ends: the run stops as on Ctrl-C (its work
         # saved, exit 75) and the grid's next start resumes it; its own workers go with it
         tie = lifeline.tie_before_exec(signal.SIGTERM)
-        rc = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=tie).returncode
+        run = subprocess.Popen(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, preexec_fn=tie)
+        stop.runs.add(run)
+        if stop.signal_name:  # the signal came while it started
+            stop.pass_on(run)
+        try:
+            rc = run.wait()
+        finally:
+            stop.runs.discard(run)
     seconds = round(time.monotonic() - started, 1)
     status = run_status(rc, spec.run_dir)
+    if stop.signal_name and rc in (-signal.SIGTERM, 128 + signal.SIGTERM):
+        status = "stopped"  # ended by the signal before its own handlers were in place: nothing lost
     state.update_run(
         spec.key,
         status=status,
@@ -917,15 +981,30 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    locks: list[RunDirLock] = []
     try:
         args = parse_args(argv)
-        return run(args, argv)
+        return run(args, argv, locks)
     except GridError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        for lock in locks:
+            lock.release()
 
 
-def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def claim(out: Path, locks: list[RunDirLock]) -> GridState:
+    """Lock ``out`` for this grid (added to ``locks``, which the caller releases at its end) and
+    read its grid.json again under the lock: another grid may have ended since it was first read."""
+    try:
+        locks.append(RunDirLock(out, key="--out").acquire())
+    except UsageError as exc:
+        raise GridError(str(exc)) from None
+    return GridState(out)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str], locks: list[RunDirLock] | None = None) -> int:
+    locks = [] if locks is None else locks
     out = Path(os.path.abspath(args.out))
     state = GridState(out)
     spec = state.data.get("spec") or {}
@@ -950,6 +1029,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             if not final:
                 raise GridError("--budgets is required when grid.json does not say the grid's budget")
             budgets = sorted({final // 2, final})
+        state = claim(out, locks)
         collect(out, tasks, modes, seeds, budgets, argv, state, args.resamples, args.paired_against)
         print(f"wrote {out / 'results.md'}, {out / 'results.csv'}")
         if args.export:
@@ -974,6 +1054,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.dry_run:
         print(f"dry run: {len(todo)} of {len(plans)} runs would train, {args.jobs} at a time")
         return 0
+    state = claim(out, locks)
 
     state.data["spec"] = {
         "tasks": tasks,
@@ -1003,9 +1084,20 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     state.write()
 
     statuses = []
-    if todo:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            statuses = list(pool.map(lambda p: execute(p, state), todo))
+    stop = GridStop()
+    stop.install()
+    try:
+        if todo:
+            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                statuses = list(pool.map(lambda p: execute(p, state, stop), todo))
+    finally:
+        stop.restore()
+    if stop.signal_name:
+        print(
+            f"grid: stopped by {stop.signal_name}: {statuses.count('stopped')} run(s) stopped with their work saved, "
+            f"{statuses.count('not started')} not started; run the same command to resume; {out / 'grid.json'}"
+        )
+        return EXIT_STOPPED
     counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
     skipped = len(plans) - len(todo)
     print(

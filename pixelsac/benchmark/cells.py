@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from pixelsac import lifeline
-from pixelsac.benchmark.plan import MODES, CellSpec, Mode, Plan
+from pixelsac.benchmark.plan import (
+    CELL_START_SECONDS,
+    CPU_GFLOPS_PER_THREAD,
+    MODES,
+    REFERENCE_FP16_SLOWDOWN,
+    CellSpec,
+    Mode,
+    Plan,
+    expected_seconds,
+)
 from pixelsac.benchmark.report import _cpu_statement, _fmt, _header, _mib, add_ratios, markdown, write_outputs
 from pixelsac.config import load_config, to_plain
 
@@ -146,17 +155,56 @@ def _dispatch_counts(cfg: Any, spec: CellSpec) -> dict[str, Any]:
     return row
 
 
-def _arithmetic(spec: CellSpec, ms_per_update: float, counted: dict[str, Any]) -> dict[str, Any]:
-    """The cell's FLOPs per update (:mod:`pixelsac.perf.flops`: counted on the CPU in about two
-    seconds at DrQ's sizes, once for the whole plan in ``counted``: every mode, speed switch and
-    batch size runs the same products, scaled with the batch) and the rate its measured time
-    sustains."""
+def _plan_flops(spec: CellSpec, counted: dict[str, Any]) -> Any:
+    """The update's FLOPs at ``spec``'s batch size, counted once for the whole plan in ``counted``."""
     from pixelsac.perf.flops import count_update_flops
 
     if "flops" not in counted:
         config = to_plain(load_config(spec.overrides))
         counted["flops"] = count_update_flops(config, tuple(spec.obs_shape), spec.action_dim)
-    flops = counted["flops"].at_batch(spec.batch_size)
+    return counted["flops"].at_batch(spec.batch_size)
+
+
+def _label(spec: CellSpec) -> str:
+    return f"{spec.mode}{' ' + spec.variant if spec.variant else ''} batch {spec.batch_size}"
+
+
+def expected_lines(plan: Plan, counted: dict[str, Any]) -> list[str]:
+    """On a CPU, each cell's expected time (:func:`pixelsac.benchmark.plan.expected_seconds`) and
+    the total, before any cell runs; nothing on a GPU."""
+    if plan.device != "cpu" or not plan.cells:
+        return []
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        flops = [_plan_flops(spec, counted).gflop_per_update for spec in plan.cells]
+    except Exception as exc:  # a figure missing, not the benchmark
+        return [f"expected times: not estimated ({type(exc).__name__}: {exc})"]
+    seconds = [expected_seconds(spec, gflop, threads) for spec, gflop in zip(plan.cells, flops)]
+    lines = [
+        f"expected times on this CPU (rough: {CPU_GFLOPS_PER_THREAD:.0f} GFLOP/s a thread x {threads} threads, "
+        f"{CELL_START_SECONDS:.0f} s a cell's start; reference fp16 kernels x{REFERENCE_FP16_SLOWDOWN:.0f}):"
+    ]
+    lines += [f"  {_label(spec)}: about {_duration(s)}" for spec, s in zip(plan.cells, seconds)]
+    lines.append(f"  in all: about {_duration(sum(seconds))}")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _arithmetic(spec: CellSpec, ms_per_update: float, counted: dict[str, Any]) -> dict[str, Any]:
+    """The cell's FLOPs per update (:mod:`pixelsac.perf.flops`: counted on the CPU in about two
+    seconds at DrQ's sizes, once for the whole plan in ``counted``: every mode, speed switch and
+    batch size runs the same products, scaled with the batch) and the rate its measured time
+    sustains."""
+    flops = _plan_flops(spec, counted)
     return {
         "gflop_full": flops.full / 1e9,
         "gflop_critic": flops.critic_only / 1e9,
@@ -239,8 +287,12 @@ def run_plan(plan: Plan) -> list[dict[str, Any]]:
     print("\n".join(header))
     for line in _cpu_statement([], plan.device):
         print(line)
+    for note in plan.notes:
+        print(f"note: {note}")
+    for line in expected_lines(plan, counted):
+        print(line, flush=True)
     for spec in plan.cells:
-        label = f"{spec.mode}{' ' + spec.variant if spec.variant else ''} batch {spec.batch_size}"
+        label = _label(spec)
         row = _measure(plan, spec)
         if row["status"] == "ok":
             try:

@@ -308,6 +308,7 @@ class CellSpec:
     cuda_graphs: bool = False
     emulation: str | None = None  # perf.time_updates(emulation=...): saves_low | saves_fp32 | interleaved
     label_emulation: bool = False  # name the emulation's form in the variant (it was asked for)
+    reference_fp16: bool = False  # its fp16 arithmetic runs torch's reference CPU kernels (runs_reference_fp16)
 
     @property
     def speed_variant(self) -> str:
@@ -355,6 +356,41 @@ def _emulates(cell_cfg: Any, device: str) -> bool:
     return policy.mode != "amp" and policy.fp32_accumulate
 
 
+#: A CPU thread's rate on the DrQ update in fp32 or emulated fp16/bf16, in GFLOP/s: the 123-GFLOP
+#: update at batch 128 took ~0.95 s on the project's 2-core CPU (2 threads). For an estimate only.
+CPU_GFLOPS_PER_THREAD = 65.0
+#: torch's reference fp16 CPU kernels (a CPU without native fp16 ones) take about this many times
+#: fp32's time: amp at batch 512 took 84.7 s an update on an AMD EPYC (Zen 4).
+REFERENCE_FP16_SLOWDOWN = 80.0
+#: A cell's fixed cost on a CPU, in seconds: a fresh process, the agent built, its ops counted.
+CELL_START_SECONDS = 10.0
+
+
+def runs_reference_fp16(cell_cfg: Any, device: str) -> bool:
+    """Whether a cell's half-precision arithmetic runs torch's reference fp16 CPU kernels: autocast
+    fp16 (``amp``) or fp16 parameters without the fp32-accumulate emulation, on a CPU that has no
+    native fp16 kernels (:func:`pixelsac.precision.native_half_kernels`)."""
+    if device != "cpu":
+        return False
+    import torch
+
+    from pixelsac.precision import PrecisionPolicy, native_half_kernels
+
+    policy = PrecisionPolicy.from_config(cell_cfg, device)
+    half = policy.mode == "amp" or (policy.param_dtype == torch.float16 and not policy.fp32_accumulate)
+    return half and native_half_kernels(torch.float16) is None
+
+
+def expected_seconds(spec: CellSpec, gflop_per_update: float, threads: int) -> float:
+    """About how long a CPU cell takes: its start, then warm-up, timed and counted updates at
+    :data:`CPU_GFLOPS_PER_THREAD` a thread (x :data:`REFERENCE_FP16_SLOWDOWN` on reference fp16
+    kernels). A rough figure, printed before the cells run; the measured times are the result."""
+    update = gflop_per_update / (CPU_GFLOPS_PER_THREAD * max(threads, 1))
+    if spec.reference_fp16:
+        update *= REFERENCE_FP16_SLOWDOWN
+    return CELL_START_SECONDS + (spec.warmup + spec.updates + 1) * update
+
+
 def make_plan(argv: list[str]) -> Plan:
     """Check every argument and compose every cell's configuration; writes nothing.
 
@@ -362,6 +398,8 @@ def make_plan(argv: list[str]) -> Plan:
     check_each_key_once(argv)  # what the user typed; the cells then layer their own keys on it
     given, overrides = split_arguments(argv)
     options = parse_options(given)
+    modes_named = any(item.partition("=")[0].strip() == "bench.modes" for item in given)
+    left_out: list[str] = []  # default modes on reference fp16 kernels (not named in bench.modes)
     from pixelsac.envs import available_tasks
 
     cfg = load_config(overrides, valid_tasks=available_tasks())
@@ -454,7 +492,12 @@ def make_plan(argv: list[str]) -> Plan:
                                     source,
                                     label_batch=options.batch is not None and on_gpu,
                                     cuda_graphs=graphs,
+                                    reference_fp16=runs_reference_fp16(cell_cfg, device),
                                 )
+                                if spec.reference_fp16 and not modes_named:
+                                    if mode.name not in left_out:
+                                        left_out.append(mode.name)
+                                    continue
                                 if options.emulation_saves == "low" or not _emulates(cell_cfg, device):
                                     cells.append(spec)
                                     continue
@@ -473,6 +516,13 @@ def make_plan(argv: list[str]) -> Plan:
                                             warmup=max(warmup, 2),
                                         )
                                     )
+    if left_out:
+        notes.append(
+            f"{', '.join(left_out)}: left out on this CPU (name them in bench.modes to run them) -- without native "
+            f"fp16 kernels they run torch's reference ones, ~{REFERENCE_FP16_SLOWDOWN:.0f}x fp32's time (amp at "
+            "batch 512: 85 s an update); amp stays fp16 autocast with GradScaler, the paper's mixed-precision "
+            "baseline, rather than torch's CPU default bf16 (the bf16 rows are this CPU's bf16)"
+        )
     if not cells:
         raise BenchError(f"nothing to run on a {device}: " + "; ".join(notes))
     if options.emulation_saves != "low" and not any(cell.emulation for cell in cells):
