@@ -236,7 +236,7 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
         env.close()
 
     try:
-        return _write_results(
+        results = _results(
             options,
             checkpoint_file,
             config,
@@ -250,44 +250,10 @@ def evaluate(options: EvalOptions, out: Callable[[str], None] = print) -> Evalua
             wall_seconds,
             env.action_repeat,
             device,
-            out,
         )
+        files.write_atomically(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
     finally:
         lock.release()
-
-
-def _write_results(
-    options: EvalOptions,
-    checkpoint_file: Path,
-    config: dict[str, Any],
-    module: Any,
-    counters: dict[str, Any],
-    seed: int,
-    returns: list[float],
-    lengths: list[int],
-    videos: list[Path],
-    out_dir: Path,
-    wall_seconds: float,
-    action_repeat: int,
-    device: Any,
-    out: Callable[[str], None],
-) -> Evaluation:
-    results = _results(
-        options,
-        checkpoint_file,
-        config,
-        module,
-        counters,
-        seed,
-        returns,
-        lengths,
-        videos,
-        out_dir,
-        wall_seconds,
-        action_repeat,
-        device,
-    )
-    files.write_atomically(out_dir / "results.json", json.dumps(results, indent=2) + "\n")
     out(_table_footer(returns))
     out(
         f"wrote {out_dir / 'results.json'}"

@@ -546,3 +546,21 @@ def test_evaluating_a_run_being_trained_says_so(run16, tmp_path):
         "evaluating best.ckpt as saved now, into its eval/ folder, which training does not write"
     )
     assert evaluation.out_dir.parent == run_copy / "eval" and (evaluation.out_dir / "results.json").is_file()
+
+
+def test_eval_arithmetic_reads_paired_episode_differences_against_float64(run16, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import eval_arithmetic
+
+    rows = eval_arithmetic.compare(
+        {"trained": [1.0, 2.0, 3.0, 4.5], "fp32": [2.0, 3.0, 4.0, 5.0], "fp64": [2.0, 3.0, 4.0, 5.0]}
+    )
+    assert rows["trained"]["reading"] == "costs return" and rows["trained"]["mean_difference"] == pytest.approx(-0.875)
+    assert rows["fp32"]["reading"] == "does not" and rows["fp32"]["episodes_differing"] == 0
+    out = tmp_path / "arith"
+    assert eval_arithmetic.main([str(run16), "--episodes", "2", "--out", str(out)]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert set(record["arms"]) == {"trained", "fp32", "fp64"} and set(record["against_fp64"]) == {"trained", "fp32"}
+    assert [record["arms"][arm]["arithmetic"] for arm in ("trained", "fp32", "fp64")] == ["trained", "fp32", "fp64"]
+    assert all(len(arm["returns"]) == 2 and arm["checkpoint"] == str(run16) for arm in record["arms"].values())
+    assert "| episode |" in (out / "results.md").read_text()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TESTS, TINY, cli_env, main_in, run_cli, start_cli
+from test_stopping import assert_same_training_state
 
 from pixelsac.precision import native_half_kernels
 
@@ -145,15 +146,8 @@ def straight_several(tmp_path_factory):
 
 
 def assert_same_end(a: dict, b: dict) -> None:
-    assert a["pixelsac"]["updates"] == b["pixelsac"]["updates"]
-    for key in a["state_dict"]:
-        assert torch.equal(a["state_dict"][key], b["state_dict"][key]), key
-    for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
-        for idx, state in opt_a["state"].items():
-            for name, value in state.items():
-                other = opt_b["state"][idx][name]
-                assert torch.equal(value, other) if torch.is_tensor(value) else value == other, name
-    assert a["callbacks"]["Checkpointer"]["collector"] == b["callbacks"]["Checkpointer"]["collector"]
+    """test_stopping's bit-for-bit comparison, and the same best evaluation."""
+    assert_same_training_state(a, b)
     assert a["callbacks"]["Evaluator"]["best_return"] == b["callbacks"]["Evaluator"]["best_return"]
 
 

@@ -50,6 +50,7 @@ for path in (REPO, TOOLS):
         sys.path.insert(0, str(path))
 
 import plot  # noqa: E402
+from experiment import checkpoint_frames  # noqa: E402
 from verdict import paired_verdict  # noqa: E402
 
 from pixelsac import checkpoint as ckpt  # noqa: E402
@@ -138,19 +139,9 @@ def write_branch(branch: Branch) -> dict[str, Any]:
     return record
 
 
-def branch_frames(run_dir: Path) -> int | None:
-    file = run_dir / "checkpoints" / "last.ckpt"
-    if not file.is_file():
-        return None
-    try:
-        return ckpt.saved_counters(ckpt.load(file, prefer="last"))["env_frames"]
-    except ckpt.CheckpointError:
-        return None
-
-
 def continue_branch(branch: Branch, budget: int, overrides: Sequence[str]) -> tuple[str, int]:
     """Write the branch when new, then train it to ``budget`` env frames; (status, exit code)."""
-    frames = branch_frames(branch.run_dir)
+    frames = checkpoint_frames(branch.run_dir)
     if frames is not None and frames >= budget:
         return "done", 0
     if frames is None:
@@ -298,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         branches, frames = plan(args)
         if not args.collect_only:
             for branch in branches:  # refuse an unconvertible base before anything trains
-                if branch_frames(branch.run_dir) is None:
+                if checkpoint_frames(branch.run_dir) is None:
                     write_branch(branch)
     except BranchError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,10 +16,10 @@ acting in the trained arithmetic **costs return** when the 95% t-interval of mea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -106,24 +106,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.episodes < 2:
         parser.error("--episodes must be at least 2 (the interval needs two episodes)")
     results = {}
-    for arm in ARMS:
-        options = EvalOptions(
-            checkpoint=args.checkpoint,
-            prefer="last",
-            episodes=args.episodes,
-            seed=args.seed,
-            video=False,
-            out_dir=str(args.out / arm) if args.out else None,
-            arithmetic=arm,
-            overwrite=True,
-        )
-        try:
-            evaluation = evaluate(dataclasses.replace(options), out=lambda line: None)
-        except (CheckpointError, ConfigError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        results[arm] = evaluation.results
-        print(f"{arm:>8}: mean {evaluation.results['mean']:.2f} over {args.episodes} episodes", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:  # each arm's own results.json, gathered below
+        for arm in ARMS:
+            options = EvalOptions(
+                checkpoint=args.checkpoint,
+                prefer="last",
+                episodes=args.episodes,
+                seed=args.seed,
+                video=False,
+                out_dir=str(Path(scratch) / arm),
+                arithmetic=arm,
+            )
+            try:
+                evaluation = evaluate(options, out=lambda line: None)
+            except (CheckpointError, ConfigError) as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            results[arm] = {**evaluation.results, "checkpoint": args.checkpoint}  # as given, not this machine's path
+            print(f"{arm:>8}: mean {evaluation.results['mean']:.2f} over {args.episodes} episodes", flush=True)
     rows = compare({arm: results[arm]["returns"] for arm in ARMS})
     text = markdown(args.checkpoint, results, rows)
     print(text, end="")
