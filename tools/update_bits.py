@@ -28,6 +28,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(REPO) not in sys.path:  # last: the checkout under test is the one PYTHONPATH names (experiment.py
+    sys.path.append(str(REPO))  # would put this one first)
 from experiment import MODES  # noqa: E402  (the grid's modes: fp16-six is the published six)
 
 #: small sizes in the spirit of the tests' TINY settings: a real update, a second or so per 10
