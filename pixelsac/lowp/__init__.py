@@ -5,7 +5,7 @@ Running Soft Actor-Critic in Half Precision" (ICML 2021), as a library that impo
 torch:
 
 * :class:`HAdam` — Adam with a root second moment (hAdam), optional Kahan-gradients; its
-  unbiased step optionally compiled into a few kernels (``fused.py``).
+  float32 step (``fused.py``) runs eagerly or compiled into a few kernels.
 * :class:`KahanAdam` — plain Adam with Kahan-gradients (for the "no hAdam" ablation).
 * :class:`CompoundLossScaler` — loss scaling carried into the optimizer state.
 * :class:`KahanEMA` — Kahan-momentum for the target network; its flat update optionally compiled
