@@ -127,7 +127,15 @@ def test_benchmark_cells_and_grid_runs_are_started_tied(tmp_path, monkeypatch):
         calls.append(kwargs)
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(subprocess, "run", fake_run)  # the module both call it from
+    class FakePopen:  # the grid starts its runs with Popen (a stop signal is passed on to them)
+        def __init__(self, command, **kwargs):
+            calls.append(kwargs)
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(subprocess, "run", fake_run)  # the benchmark's cells
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
     cell = cells.CellSpec("fp32", [], 4, None, False, "default", "inductor", 1, 0, "cpu", [9, 84, 84], 6)
     with pytest.raises(RuntimeError, match="cell process exited 0"):  # the fake cell printed no row
         cells.run_cell_isolated(cell)
