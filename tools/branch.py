@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import io
 import json
 import os
@@ -82,6 +83,17 @@ class Branch:
         return f"{self.base.label}/{self.mode}/c{self.continuation}"
 
 
+@functools.cache
+def loaded_base(file: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A base's checkpoint and the replay files it names (checked), read once per process
+    however many branches start from it."""
+    try:
+        checkpoint = ckpt.load(file, prefer="last")
+        return checkpoint, tuple(ckpt.check_resumable(file, checkpoint))
+    except ckpt.CheckpointError as exc:
+        raise BranchError(f"{file}: {exc}") from exc
+
+
 def resolve_base(text: str) -> Base:
     """A base from a run directory or a checkpoint file; label ``<run folder>_<k>k``."""
     path = Path(text)
@@ -92,10 +104,7 @@ def resolve_base(text: str) -> Base:
     if file.name != "last.ckpt":
         raise BranchError(f"{file}: branch from a last.ckpt (it has the replay file); best.ckpt has none")
     run_dir = file.parent.parent if file.parent.name == "checkpoints" else file.parent
-    try:
-        checkpoint = ckpt.load(file, prefer="last")
-    except ckpt.CheckpointError as exc:
-        raise BranchError(str(exc)) from exc
+    checkpoint, _ = loaded_base(file)
     frames = ckpt.saved_counters(checkpoint)["env_frames"]
     if frames is None:
         raise BranchError(f"{file} does not record its env frames; it cannot be a base")
@@ -106,9 +115,8 @@ def resolve_base(text: str) -> Base:
 
 def write_branch(branch: Branch) -> dict[str, Any]:
     """Convert the base into the branch's run directory (nothing written when conversion fails)."""
-    checkpoint = ckpt.load(branch.base.file, prefer="last")
+    checkpoint, replays = loaded_base(branch.base.file)
     try:
-        replays = ckpt.check_resumable(branch.base.file, checkpoint)
         converted = branch_checkpoint(checkpoint, branch.mode, branch.continuation)
     except ckpt.CheckpointError as exc:
         raise BranchError(f"{branch.base.file}: {exc}") from exc

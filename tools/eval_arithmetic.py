@@ -32,7 +32,7 @@ for path in (REPO, TOOLS):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from verdict import t_quantile  # noqa: E402
+from verdict import paired_verdict  # noqa: E402
 
 from pixelsac.checkpoint import CheckpointError  # noqa: E402
 from pixelsac.config import ConfigError  # noqa: E402
@@ -46,22 +46,21 @@ BAND = 0.02
 def compare(returns: dict[str, list[float]], against: str = "fp64") -> dict[str, dict[str, Any]]:
     """Per arm: the mean paired difference to ``against`` with its 95% t-interval and the reading."""
     reference = np.asarray(returns[against])
-    band = BAND * abs(float(reference.mean()))
     rows = {}
     for arm, values in returns.items():
         if arm == against:
             continue
         d = np.asarray(values) - reference
-        mean = float(d.mean())
-        half = t_quantile(0.975, d.size - 1) * float(d.std(ddof=1)) / math.sqrt(d.size) if d.size > 1 else math.inf
-        low, high = mean - half, mean + half
-        reading = "costs return" if high < 0 else "does not" if -band <= low and high <= band else "undecided"
+        paired = paired_verdict(d, float(reference.mean()), margin_fraction=BAND)
+        low, high = paired.ci95 if paired.ci95 is not None else (-math.inf, math.inf)
+        within = -paired.margin <= low and high <= paired.margin
+        reading = "costs return" if high < 0 else "does not" if within else "undecided"
         if low > 0:
             reading = "gains return"
         rows[arm] = {
-            "mean_difference": mean,
+            "mean_difference": float(d.mean()),
             "ci95": [low, high],
-            "band": band,
+            "band": paired.margin,
             "reading": reading,
             "episodes_differing": int(np.count_nonzero(d)),
         }
