@@ -64,7 +64,8 @@ class Hooks(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if env.get("MARK_FILE") and not self.marked and module.updates >= int(env["MARK_UPDATES"]):
             self.marked = True
-            write_whole(Path(env["MARK_FILE"]), str(module.updates))
+            if trainer.global_rank == 0:  # every rank writing one file raced on its partial name
+                write_whole(Path(env["MARK_FILE"]), str(module.updates))
         if len(self.self_signal) >= 2 and module.updates == int(self.self_signal[1]):
             target = int(self.self_signal[2]) if len(self.self_signal) > 2 else 0
             if trainer.global_rank == target:
