@@ -31,7 +31,7 @@ the same images bit for bit:
 
 ``backend=None`` (``perf.aug_backend: null``) picks per device: ``kornia`` on CUDA, ``index``
 elsewhere. On a 2-core Intel Xeon (Sapphire Rapids, one thread, torch 2.13), two copies of a
-batch of 84×84 9-channel frames, medians of 7 interleaved rounds (tools/shift_timing.py): from
+batch of 84×84 9-channel frames, medians of 7 interleaved rounds (tools/instruments/shift_timing.py): from
 uint8, kornia took 6.6x the gather at batch 128 (74 against 11 ms) and 4.9x at 512 (321 against
 65 ms); from fp16, 1.35x and 1.12x. kornia's ``translate`` took 1.2x to 1.25x this backend's time.
 """

@@ -291,7 +291,7 @@ class SACModule(L.LightningModule):
         With ``lowp.fp32_actor_loss`` everything after the trunk computes in fp32 from the 16-bit
         weights: the actor's gradient ``E[α∇log π + (α∇ₐlog π - ∇ₐQ)·∂a/∂θ]`` is a difference
         of two nearly equal terms once the policy is good, and bf16's rounding of every layer's
-        activations and gradients left 10-20% of it wrong (fp16: 3-5%; tools/grad_fidelity.py).
+        activations and gradients left 10-20% of it wrong (fp16: 3-5%; tools/fidelity.py grad).
         Only the gradients are rounded, once, into the weights' dtype.
 
         With ``lowp.fp32_actor_features`` the trunk features ``f = trunk(x)`` that all of this

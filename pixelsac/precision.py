@@ -211,11 +211,11 @@ class PrecisionPolicy:
             adaptive_target_scale = low
         fp32_q_output = cfg.lowp.get("fp32_q_output")
         if fp32_q_output is None:
-            # bf16 rounds Q ~ 30 to 0.125: a quarter of the TD signal (tools/grad_fidelity.py); fp16's S·loss
+            # bf16 rounds Q ~ 30 to 0.125: a quarter of the TD signal (tools/fidelity.py grad); fp16's S·loss
             # and squared TD errors overflow once returns reach the hundreds (the full-size critic's loss scale)
             fp32_q_output = mode == "bf16" or (mode == "fp16" and switches["loss_scaling"])
         fp32_actor_loss = cfg.lowp.get("fp32_actor_loss")
-        if fp32_actor_loss is None:  # bf16 left 10-20% of the actor's gradient wrong (tools/grad_fidelity.py)
+        if fp32_actor_loss is None:  # bf16 left 10-20% of the actor's gradient wrong (tools/fidelity.py grad)
             fp32_actor_loss = mode == "bf16"
         fp32_actor_features = cfg.lowp.get("fp32_actor_features")
         if fp32_actor_features is None:  # bf16's trunk left 4-10% of the actor's gradient wrong (grad_fidelity)

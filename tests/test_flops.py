@@ -96,7 +96,7 @@ def test_rates_and_floors_are_gflop_over_time():
 
 
 def _tool():
-    return load_tool("update_flops.py")
+    return load_tool("instruments/update_flops.py")
 
 
 def test_the_flops_tool_writes_each_batch_and_the_rate_a_measured_time_sustained(tmp_path, capsys):
@@ -107,7 +107,7 @@ def test_the_flops_tool_writes_each_batch_and_the_rate_a_measured_time_sustained
     two, four = data["flops"]["2"], data["flops"]["4"]
     assert four["full"] == 2 * two["full"] and four["per_update"] == 2 * two["per_update"]
     text = out.with_suffix(".md").read_text()
-    assert text.startswith("Command: `python tools/update_flops.py --batch-sizes 2,4")
+    assert text.startswith("Command: `python tools/instruments/update_flops.py --batch-sizes 2,4")
     rate = four["per_update"] / 1e9 / 0.25  # GFLOP per ms = TFLOP/s
     assert f"| somewhere | 4 | 0.25 | {rate:,.1f} |" in text and "TFLOP/s at 0.5 ms" in text
 

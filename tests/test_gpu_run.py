@@ -1,5 +1,5 @@
-"""The GPU run's tools on a CPU: tools/gpu_run.sh's time budget and a run cut halfway,
-tools/gpu_report.py's report and archive, tools/gpu_wheels.py's list and wheel surgery."""
+"""The GPU run's tools on a CPU: tools/gpu/gpu_run.sh's time budget and a run cut halfway,
+tools/gpu/gpu_report.py's report and archive, tools/gpu/gpu_wheels.py's list and wheel surgery."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO, cli_env
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "gpu"))
 import gpu_report  # noqa: E402
 import gpu_wheels  # noqa: E402
 
-SCRIPT = REPO / "tools" / "gpu_run.sh"
+SCRIPT = REPO / "tools" / "gpu" / "gpu_run.sh"
 
 
 def plan(**settings: str) -> subprocess.CompletedProcess:
@@ -144,7 +144,7 @@ def test_a_plan_that_does_not_fit_says_so():
 
 def test_the_gpu_tools_name_nothing_outside_the_repository():
     for name in ("gpu_run.sh", "gpu_report.py", "gpu_wheels.py", "gpu_check.py", "gpu_learn.sh"):
-        text = (REPO / "tools" / name).read_text()
+        text = (REPO / "tools" / "gpu" / name).read_text()
         for outside in ("../shared", "/work/", "shared/tools", "device tool", "session"):
             assert outside not in text, (name, outside)
 
@@ -473,7 +473,7 @@ def test_lightning_travels_in_the_version_tested_here():
         assert listed[name] == importlib.metadata.version(name), name
 
 
-LEARN_SCRIPT = REPO / "tools" / "gpu_learn.sh"
+LEARN_SCRIPT = REPO / "tools" / "gpu" / "gpu_learn.sh"
 
 
 def learn_limits(text: str) -> dict[str, int]:
@@ -481,7 +481,7 @@ def learn_limits(text: str) -> dict[str, int]:
 
 
 def test_the_learning_script_names_nothing_outside_the_repository_and_fits_ten_minutes():
-    """Every limit of tools/gpu_learn.sh added up, each kill-after grace counted: within TOTAL,
+    """Every limit of tools/gpu/gpu_learn.sh added up, each kill-after grace counted: within TOTAL,
     below one call's 600 s. Its floors once reached ~675 s (a 30-s import check after the set-up's
     60 s ran out, a 5-s install, two 20-s and two 15-s archive steps past the training's end), so a
     call cut at 600 s lost the runs' summaries: the training now ends where the stop and the
@@ -720,7 +720,7 @@ def _mock_python(tmp_path: Path) -> Path:
         f"""#!/usr/bin/env bash
 real={sys.executable}
 case " $* " in
-  *" tools/gpu_check.py "*)
+  *" tools/gpu/gpu_check.py "*)
     "$real" "$@"; rc=$?
     [[ -n "${{MOCK_TRITON:-}}" ]] && echo "$MOCK_TRITON" > "${{@: -1}}"
     exit $rc ;;

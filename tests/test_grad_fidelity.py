@@ -1,4 +1,4 @@
-"""tools/grad_fidelity.py on a real (tiny) run: the float64 judge, and variants of another precision."""
+"""tools/fidelity.py grad on a real (tiny) run: the float64 judge, and variants of another precision."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_an_fp32_variant_matches_the_judge_and_bf16_is_further_off_than_the_fp16
     """The fp16 run's weights transplanted into fp32 give float64's gradients to fp32's rounding
     (a transplant that lost the target, the weights or the loss scale would not); bf16 from the
     same weights is further from float64 than the fp16 run itself on the critic."""
-    tool = load_tool("grad_fidelity.py")
+    tool = load_tool("judges/grad.py")
     out = tmp_path / "fidelity"
     code = tool.main(
         [str(tiny_fp16_run.run_dir), "--batches", "2", "--variant", "fp32=precision=fp32",
@@ -48,8 +48,8 @@ def test_the_judge_can_read_the_pixel_values_the_run_reads():
     from pixelsac.config import load_config
     from pixelsac.precision import PrecisionPolicy
 
-    tool = load_tool("grad_fidelity.py")  # puts tools/ on the path
-    from drq_side_by_side import float64_policy
+    tool = load_tool("judges/grad.py")  # puts tools/ on the path
+    from judges.common import float64_policy
 
     run_policy = PrecisionPolicy.from_config(load_config(["precision=bf16"]), "cpu")
     judge_policy = dataclasses.replace(float64_policy(run_policy), fp32_accumulate=False)
@@ -68,7 +68,7 @@ def test_judge_pixels_as_run_reaches_the_judge(tiny_fp16_run: TrainedRun, tmp_pa
     """Through the command line: with the judge reading the fp16 run's pixel values, an fp32
     variant (exact pixels to fp32's rounding) no longer matches it to fp32's rounding, while the
     run as trained still compares within its own arithmetic's error."""
-    tool = load_tool("grad_fidelity.py")
+    tool = load_tool("judges/grad.py")
     out = tmp_path / "as_run"
     code = tool.main(
         [str(tiny_fp16_run.run_dir), "--batches", "1", "--judge-pixels", "as-run",
@@ -89,7 +89,7 @@ def test_loss_scale_sweep_shows_underflow_overflow_and_the_runs_own_scales(tiny_
     overflows and is counted out, and ``run`` uses the checkpoint's own scales."""
     import torch
 
-    tool = load_tool("grad_fidelity.py")
+    tool = load_tool("judges/grad.py")
     out = tmp_path / "sweep"
     code = tool.main(
         [str(tiny_fp16_run.run_dir), "--batches", "2", "--loss-scale", "largest", "--loss-scale", "run",
@@ -112,16 +112,27 @@ def test_loss_scale_sweep_shows_underflow_overflow_and_the_runs_own_scales(tiny_
 
 
 def test_a_missing_run_is_one_line_and_exit_2(tmp_path, capsys):
-    assert load_tool("grad_fidelity.py").main([str(tmp_path / "nowhere")]) == 2
+    assert load_tool("fidelity.py").main(["grad", str(tmp_path / "nowhere")]) == 2  # as a user runs it
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "nowhere" in err[0]
+
+
+@pytest.mark.parametrize("argv", [["gradient", "RUN"], []], ids=["unknown", "none"])
+def test_fidelity_without_a_known_judge_says_which_there_are_and_exits_2(argv, capsys):
+    assert load_tool("fidelity.py").main(argv) == 2
+    captured = capsys.readouterr()
+    if argv:
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: no judge 'gradient'") and "grad, step, drift, drq" in err[0]
+    else:  # no subcommand: the usage, which names each judge
+        assert all(f"tools/fidelity.py {name}" in captured.out for name in ("grad", "step", "drift", "drq"))
 
 
 @pytest.mark.slow
 def test_a_run_whose_replay_is_gone_is_one_line_and_exit_2(tiny_fp16_run: TrainedRun, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(tiny_fp16_run.run_dir, run, ignore=shutil.ignore_patterns("replay-*"))
-    for tool in ("grad_fidelity.py", "backward_peaks.py"):
+    for tool in ("judges/grad.py", "instruments/backward_peaks.py"):
         assert load_tool(tool).main([str(run)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: cannot read the replay"), err
@@ -129,7 +140,7 @@ def test_a_run_whose_replay_is_gone_is_one_line_and_exit_2(tiny_fp16_run: Traine
 
 @pytest.mark.parametrize("spec", ["zero", "0", "-4", "inf", "nan"])
 def test_a_bad_loss_scale_is_one_line_and_exit_code_2(spec, capsys):
-    tool = load_tool("grad_fidelity.py")
+    tool = load_tool("judges/grad.py")
     with pytest.raises(SystemExit) as stopped:
         tool.main(["unused_run_dir", "--loss-scale", spec])
     assert stopped.value.code == 2
@@ -141,10 +152,11 @@ def test_a_recorded_command_quotes_a_variant_with_spaces(tmp_path):
     stay one argument."""
     import shlex
 
-    load_tool("grad_fidelity.py")  # puts tools/ on the path
+    load_tool("judges/grad.py")  # puts tools/ on the path
     from table_files import write_table_files
 
     argv = ["RUN", "--variant", "both=lowp.fp32_actor_loss=true lowp.fp32_actor_features=true", "--out", "x"]
-    command = write_table_files(tmp_path / "t", "grad_fidelity.py", argv, "| table |\n", {})
-    assert shlex.split(command)[2:] == argv
+    command = write_table_files(tmp_path / "t", "fidelity.py grad", argv, "| table |\n", {})
+    assert shlex.split(command)[:3] == ["python", "tools/fidelity.py", "grad"]  # the command a user runs
+    assert shlex.split(command)[3:] == argv
     assert json.loads((tmp_path / "t.json").read_text())["command"] == command

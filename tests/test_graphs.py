@@ -343,7 +343,7 @@ def test_real_cuda_graphs_equal_eager_updates_on_a_gpu(precision):
     """Same seed, same batches: replayed graphs and eager sync-free updates compute the same
     training state up to rounding (kernel choice may differ between capture and eager): skips,
     loss scales and counters exactly, weights and Kahan sums within :func:`moved_apart`'s
-    tolerance. tools/gpu_run.sh times CUDA graphs only when every mode here passes."""
+    tolerance. tools/gpu/gpu_run.sh times CUDA graphs only when every mode here passes."""
     batches = [make_batch(seed=i) for i in range(14)]
 
     def run(graphs: bool):

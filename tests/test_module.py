@@ -212,11 +212,11 @@ def test_each_backward_computes_only_its_own_optimizers_gradients(precision):
 
 
 def test_the_actor_backward_timing_tool_checks_both_forms_agree(tmp_path):
-    """tools/actor_backward_timing.py (the measurement behind the own-gradients change) runs the
+    """tools/instruments/actor_backward_timing.py (the measurement behind the own-gradients change) runs the
     full-size agent, holds the actor's gradients of both forms equal and writes its table."""
     from conftest import load_tool
 
-    tool = load_tool("actor_backward_timing.py")
+    tool = load_tool("instruments/actor_backward_timing.py")
     out = tmp_path / "timing"
     assert tool.main(["--precisions", "fp32", "--batches", "2", "--rounds", "1", "--out", str(out)]) == 0
     assert "| fp32 | 2 |" in out.with_suffix(".md").read_text()

@@ -361,11 +361,11 @@ def test_pinned_host_batches(num_envs):
 
 
 def test_the_replay_timing_tool_checks_both_sample_the_same_batch(tmp_path, monkeypatch):
-    """tools/replay_timing.py (the measurement behind the joint rings) times a commit's replay
+    """tools/instruments/replay_timing.py (the measurement behind the joint rings) times a commit's replay
     against this checkout's, and refuses to time two that sample different batches."""
     from conftest import load_tool
 
-    tool = load_tool("replay_timing.py")
+    tool = load_tool("instruments/replay_timing.py")
     out = tmp_path / "timing"
     argv = ["--baseline", "HEAD", "--envs", "1", "3", "--batches", "4", "--total-slots", "24", "--rounds", "1"]
     assert tool.main([*argv, "--out", str(out)]) == 0

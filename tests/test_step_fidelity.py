@@ -1,4 +1,4 @@
-"""tools/step_fidelity.py: a run's optimizers and target update against float64, on the run's own
+"""tools/fidelity.py step: a run's optimizers and target update against float64, on the run's own
 gradients (tiny runs; the full-size measurements are in docs/results/step_fidelity)."""
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def test_an_fp32_run_is_float64_adam_to_fp32_rounding(tiny_fp32_run: TrainedRun,
     and the target agree to fp32's rounding (a judge that misread the state, the step count or a
     skipped step would not)."""
     out = tmp_path / "fp32"
-    assert load_tool("step_fidelity.py").main([str(tiny_fp32_run.run_dir), "--updates", "30", "--out", str(out)]) == 0
+    argv = [str(tiny_fp32_run.run_dir), "--updates", "30", "--out", str(out)]
+    assert load_tool("fidelity.py").main(["step", *argv]) == 0  # as a user runs it
+    assert out.with_suffix(".md").read_text().startswith("Command: `python tools/fidelity.py step ")
     final = _final(out)
     for name in ("critic", "actor", "alpha"):
         row = final["as trained", name]
@@ -43,7 +45,7 @@ def test_fp16_tracks_float64_adam_and_the_published_hadam_runs_low(tiny_fp16_run
     thousands of steps begins within 60), so its steps run long."""
     out = tmp_path / "fp16"
     argv = [str(tiny_fp16_run.run_dir), "--updates", "60", "--variant", "published=lowp.unbiased_moments=false"]
-    assert load_tool("step_fidelity.py").main([*argv, "--out", str(out)]) == 0
+    assert load_tool("judges/step.py").main([*argv, "--out", str(out)]) == 0
     final = _final(out)
     for name in ("critic", "actor"):
         ours, published = final["as trained", name], final["published", name]
@@ -61,7 +63,7 @@ def test_skipped_steps_are_skipped_by_the_judge_and_backoff_keeps_the_units(tiny
     halves S, m, s and ε; the judge skips the same steps, and in true units its moments still
     agree with the run's (a judge that stepped on a skip, or read m and s in the wrong units, would
     not)."""
-    tool = load_tool("step_fidelity.py")
+    tool = load_tool("judges/step.py")
     module, replay, _ = tool.resume(tiny_fp16_run.run_dir, [])
     contender = tool.Contender(module)
     scaler = contender.inner.scalers["critic"]
@@ -91,7 +93,7 @@ def test_skipped_steps_are_skipped_by_the_judge_and_backoff_keeps_the_units(tiny
 )
 def test_bad_input_is_one_line_and_exit_2(argv, says, run16, tmp_path, capsys):
     argv = [a.format(missing=tmp_path / "nowhere", run=run16) for a in argv]
-    assert load_tool("step_fidelity.py").main(argv) == 2
+    assert load_tool("judges/step.py").main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and says in err[0], err
 
@@ -101,7 +103,7 @@ def test_a_first_moment_of_a_few_subnormal_ulps_is_frozen():
     an ulp); 5 ulps decays (4.5 rounds to even, 4), a normal m decays, a zero m is not counted."""
     from pixelsac.lowp import HAdam
 
-    tool = load_tool("step_fidelity.py")
+    tool = load_tool("judges/step.py")
     weight = torch.nn.Parameter(torch.zeros(5, dtype=torch.float16))
     optimizer = HAdam([weight], lr=1e-3, unbiased_moments=True)
     ulp = 2.0**-24

@@ -1,4 +1,4 @@
-"""tools/target_headroom.py: a run's critic weights against the published fixed-K ceiling."""
+"""tools/instruments/target_headroom.py: a run's critic weights against the published fixed-K ceiling."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pixelsac.module import SACModule
 
 @pytest.mark.slow
 def test_a_weight_past_6_55_is_reported_as_overflowing_the_published_target(tiny_fp16_run: TrainedRun, tmp_path):
-    tool = load_tool("target_headroom.py")
+    tool = load_tool("instruments/target_headroom.py")
     out = tmp_path / "headroom"
     assert tool.main([str(tiny_fp16_run.run_dir), "--out", str(out)]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
@@ -33,6 +33,6 @@ def test_a_weight_past_6_55_is_reported_as_overflowing_the_published_target(tiny
 
 
 def test_a_missing_run_is_one_line_and_exit_2(tmp_path, capsys):
-    assert load_tool("target_headroom.py").main([str(tmp_path / "nowhere")]) == 2
+    assert load_tool("instruments/target_headroom.py").main([str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from gpu_report import steady_frames_per_s  # noqa: E402  (the GPU report's end-to-end figure)
 from table_files import write_table_files  # noqa: E402
 

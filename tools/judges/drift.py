@@ -13,7 +13,7 @@ displacement::
 took). Rewards are drawn in [0, ``--reward-scale``) so that Q values grow as in a run with action
 repeat (DrQ's swing-up: up to 8 per agent step), which is what stresses an 8-bit mantissa.
 
-    python tools/lowp_drift.py --updates 1000 --variants fp32,fp16,bf16 \\
+    python tools/fidelity.py drift --updates 1000 --variants fp32,fp16,bf16 \\
         --variant bf16-nokahan-actor="precision=bf16 lowp.kahan_actor=false"
 
 Writes a JSON and a markdown table (``--out``); one thread, so run it beside other work.
@@ -31,10 +31,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from drq_side_by_side import float64_policy, make_our_agent, our_update  # noqa: E402
-
-from pixelsac.perf import synthetic_batch  # noqa: E402
+from judges.common import flat, float64_policy, make_agent, one_update
+from pixelsac.perf import synthetic_batch
 
 PRESET_VARIANTS = {
     "fp32": ["precision=fp32"],
@@ -59,7 +57,7 @@ def base_overrides(args: argparse.Namespace) -> list[str]:
 
 def float64_agent(overrides: list[str]) -> Any:
     """The fp32 agent with every parameter, buffer and optimizer state in float64."""
-    module = make_our_agent([*overrides, "precision=fp32"], obs_shape=OBS_SHAPE, action_dim=ACTION_DIM)
+    module = make_agent([*overrides, "precision=fp32"], OBS_SHAPE, ACTION_DIM)
     module.double()
     inner = getattr(module, "module", module)
     inner.precision_policy = float64_policy(inner.precision_policy)
@@ -75,17 +73,13 @@ def groups(module: Any) -> dict[str, list[torch.Tensor]]:
     }
 
 
-def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().double().reshape(-1) for t in tensors])
-
-
 OBS_SHAPE = (9, 48, 48)
 ACTION_DIM = 1
 
 
 def main(argv: list[str] | None = None) -> int:
     global OBS_SHAPE
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/fidelity.py drift", description=__doc__.split("\n\n")[0])
     parser.add_argument("--updates", type=int, default=1000)
     parser.add_argument("--report-every", type=int, default=250)
     parser.add_argument("--batch", type=int, default=32)
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     agents = {}
     for name, overrides in variants.items():
         torch.manual_seed(0)  # the same initial weights (and target copies) as the judge's, rounded
-        agents[name] = make_our_agent([*base, *overrides], obs_shape=OBS_SHAPE, action_dim=ACTION_DIM)
+        agents[name] = make_agent([*base, *overrides], OBS_SHAPE, ACTION_DIM)
 
     rows: list[dict[str, Any]] = []
     seconds = dict.fromkeys(["float64", *agents], 0.0)
@@ -119,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, agent in [("float64", judge), *agents.items()]:
             torch.manual_seed(1000 + step)
             tick = time.perf_counter()
-            our_update(agent, batch)
+            one_update(agent, batch)
             seconds[name] += time.perf_counter() - tick
         if (step + 1) % args.report_every == 0 or step + 1 == args.updates:
             reference = {g: flat(t) for g, t in groups(judge).items()}
@@ -134,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     inner = getattr(judge, "module", judge)
     result = {
-        "command": "python tools/lowp_drift.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python tools/fidelity.py drift " + " ".join(argv if argv is not None else sys.argv[1:]),
         "variants": variants,
         "base": base,
         "reward_scale": args.reward_scale,
@@ -160,7 +154,3 @@ def main(argv: list[str] | None = None) -> int:
         ]
         args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -8,7 +8,8 @@ the table gives the median time of one ``sample()`` and the ratio. Placements: h
 rings, a CPU run's default); with CUDA also page-locked host batches and rings on the GPU
 (``replay.device``; timed to the end of the gather with ``torch.cuda.synchronize``).
 
-    python tools/replay_timing.py --baseline 21c7915 --total-slots 8000 --out docs/results/replay_rings/sample_cpu
+    python tools/instruments/replay_timing.py --baseline 21c7915 --total-slots 8000 \\
+        --out docs/results/replay_rings/sample_cpu
 
 Prints a markdown table (and writes ``OUT.md`` / ``OUT.json``). Measure with nothing else on
 the cores.
@@ -29,12 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/
 from table_files import write_table_files  # noqa: E402
 
 import pixelsac.replay as current  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 FRAME, STACK, ACTION_DIM, EPISODE_STEPS = (3, 84, 84), 3, 6, 125
 
 
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = {"threads": args.threads, "rounds": args.rounds, "slots": args.slots, "total_slots": args.total_slots}
         meta["rows"] = rows
-        write_table_files(args.out, "replay_timing.py", argv, table, meta)
+        write_table_files(args.out, "instruments/replay_timing.py", argv, table, meta)
     return 0
 
 

@@ -9,7 +9,7 @@ dtype's spacing at the float64 value (ulps): max and mean. A kernel that accumul
 rounds once stays within about half an ulp of float64 (more only where a sum nearly cancels);
 one that accumulates in the low precision itself drifts many ulps away.
 
-    python tools/half_kernels.py --dtype bf16 --out docs/results/half_kernels/bf16
+    python tools/instruments/half_kernels.py --dtype bf16 --out docs/results/half_kernels/bf16
 
 Prints a markdown table (and writes ``OUT.md`` / ``OUT.json``); the native kernels' time is
 reported beside the emulation's (one run, not a benchmark).
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pixelsac.lowp import fp32_accumulate
 from pixelsac.precision import native_half_kernels
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/
 from table_files import write_table_files  # noqa: E402
 
 #: name -> (input shape, weight shape, conv stride or None for a linear layer); batch first
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         data = {"kernels": kernels, "torch": torch.__version__, "rows": rows}
-        write_table_files(args.out, "half_kernels.py", argv, table, data)
+        write_table_files(args.out, "instruments/half_kernels.py", argv, table, data)
     return 0
 
 

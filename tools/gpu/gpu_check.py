@@ -1,6 +1,6 @@
-"""The GPU run's import check (``tools/gpu_run.sh`` calls it first, under a time limit).
+"""The GPU run's import check (``tools/gpu/gpu_run.sh`` calls it first, under a time limit).
 
-    python tools/gpu_check.py DEVICE TRITON_FILE
+    python tools/gpu/gpu_check.py DEVICE TRITON_FILE
 
 Imports what pixelsac needs (torch, lightning, kornia, omegaconf, dm_control) and prints one
 line: Python, torch, lightning, and on CUDA the GPU's name, memory and CUDA version; exit 1 when
@@ -37,7 +37,7 @@ def smoke_compile() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or args[0] not in ("cuda", "cpu"):
-        print("usage: python tools/gpu_check.py cuda|cpu TRITON_FILE", file=sys.stderr)
+        print("usage: python tools/gpu/gpu_check.py cuda|cpu TRITON_FILE", file=sys.stderr)
         return 2
     device, triton_file = args[0], Path(args[1])
     import dm_control  # noqa: F401

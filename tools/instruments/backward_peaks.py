@@ -8,13 +8,13 @@ gradient was near the range. So the premise holds for a loss when the ratio belo
 
 For a run's ``last.ckpt`` and the replay saved beside it, this computes each loss (critic, actor,
 temperature) on real batches as the run computes them (its dtype and precision policy, the same
-augmentation shifts and policy noise as ``tools/grad_fidelity.py``), backs each one up at the
+augmentation shifts and policy noise as ``tools/fidelity.py grad``), backs each one up at the
 run's own loss scale, and reports per loss over the batches: the loss's dtype and scale, the
 largest scaled weight gradient, the largest gradient in the run's 16-bit dtype formed anywhere in
 the backward (every autograd node's gradients with respect to its inputs), their ratio and the
 node that formed it.
 
-    python tools/backward_peaks.py RUN_DIR --batches 8 [--out OUT]
+    python tools/instruments/backward_peaks.py RUN_DIR --batches 8 [--out OUT]
 
 Writes ``OUT.md`` and ``OUT.json`` when ``--out`` is given. Needs a 16-bit run with loss scaling.
 """
@@ -31,8 +31,8 @@ import torch
 
 from pixelsac.module import LOSSES, SACModule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grad_fidelity import RunUnreadable, load_run, losses, run_scales  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/
+from judges.common import RunUnreadable, load_run, losses, run_scales  # noqa: E402
 from table_files import write_table_files  # noqa: E402
 
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
-        write_table_files(args.out, "backward_peaks.py", argv, table, {"rows": rows, "dtype_max": largest})
+        write_table_files(args.out, "instruments/backward_peaks.py", argv, table, {"rows": rows, "dtype_max": largest})
     return 0
 
 

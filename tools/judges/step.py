@@ -49,7 +49,7 @@ precision (e.g. ``lowp.unbiased_moments=false``, the published hAdam); each cont
 its own path, judged against its own gradients. The batches, augmentation shifts and policy
 noise are the same for every contender.
 
-    python tools/step_fidelity.py RUN_DIR --updates 500 --report-every 100 --out OUT
+    python tools/fidelity.py step RUN_DIR --updates 500 --report-every 100 --out OUT
 """
 
 from __future__ import annotations
@@ -65,16 +65,13 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from table_files import write_table_files
 
+from judges.common import RunUnreadable, driven_by_fabric, flat, load_run
 from pixelsac import checkpoint as ckpt_io
 from pixelsac.config import ConfigError, load_config, parse_overrides, to_plain
 from pixelsac.lowp import CompoundLossScaler
 from pixelsac.module import LOSSES, SACModule
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grad_fidelity import RunUnreadable, load_run  # noqa: E402
-from lowp_drift import flat  # noqa: E402
-from table_files import write_table_files  # noqa: E402
 
 #: A param group's keys that say how it steps (the variant's win); its lr, betas and ε (rescaled
 #: with the loss scale under compound scaling) come from the checkpoint.
@@ -311,8 +308,6 @@ def resume(run_dir: Path, overrides: list[str]) -> tuple[Any, Any, dict[str, Any
     """The run as its trainer would resume it (weights, optimizer state, scalers, update count),
     in one CPU process driven through Lightning Fabric, with ``overrides`` on its config: Fabric's
     wrapper of the :class:`SACModule` (``.module``), the replay and the checkpoint."""
-    from lightning.fabric import Fabric
-
     if not (run_dir / "checkpoints").is_dir():
         raise UnfitState(f"{run_dir} is not a run directory (no checkpoints/ in it); give the directory a run wrote")
     try:
@@ -330,27 +325,25 @@ def resume(run_dir: Path, overrides: list[str]) -> tuple[Any, Any, dict[str, Any
                 raise UnfitState(f"the run's config has no key {key!r} (a variant changes keys it has)")
             OmegaConf.update(config, key, value)
         checkpoint["hyper_parameters"] = {**checkpoint["hyper_parameters"], "config": OmegaConf.to_container(config)}
-    module = SACModule.from_checkpoint(checkpoint).train()
-    fabric = Fabric(accelerator="cpu", devices=1)
-    module._fabric = fabric  # what Fabric.setup does; setup() needs it before the optimizers exist
-    module.setup("fit")
-    optimizers = module.configure_optimizers()
     saved = checkpoint.get("optimizer_states", [])
-    if len(saved) != len(optimizers):
-        raise UnfitState(f"{run_dir}'s checkpoint holds {len(saved)} optimizer states, not {len(optimizers)}")
-    for optimizer, state in zip(optimizers, saved, strict=True):
-        # the variant's numerics, not the checkpoint's: load_state_dict would restore its groups' switches
-        built = [{key: group[key] for key in GROUP_SWITCHES if key in group} for group in optimizer.param_groups]
-        try:
-            optimizer.load_state_dict(state)
-            for group, switches in zip(optimizer.param_groups, built, strict=True):
-                group.update(switches)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise UnfitState(
-                f"the run's optimizer state does not fit {' '.join(overrides) or 'its own config'} "
-                f"({ckpt_io.first_line(exc)}); a variant may change numerics, not the precision or the networks"
-            ) from exc
-    module, *_ = fabric.setup(module, *optimizers)
+
+    def load_states(optimizers: list[Any]) -> None:
+        if len(saved) != len(optimizers):
+            raise UnfitState(f"{run_dir}'s checkpoint holds {len(saved)} optimizer states, not {len(optimizers)}")
+        for optimizer, state in zip(optimizers, saved, strict=True):
+            # the variant's numerics, not the checkpoint's: load_state_dict would restore its groups' switches
+            built = [{key: group[key] for key in GROUP_SWITCHES if key in group} for group in optimizer.param_groups]
+            try:
+                optimizer.load_state_dict(state)
+                for group, switches in zip(optimizer.param_groups, built, strict=True):
+                    group.update(switches)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise UnfitState(
+                    f"the run's optimizer state does not fit {' '.join(overrides) or 'its own config'} "
+                    f"({ckpt_io.first_line(exc)}); a variant may change numerics, not the precision or the networks"
+                ) from exc
+
+    module = driven_by_fabric(SACModule.from_checkpoint(checkpoint).train(), load_states)
     inner = module.module
     for name, scaler_state in inner._pending_scaler_states.items():  # what on_fit_start does under a Trainer
         if inner.scalers.get(name) is not None:
@@ -490,7 +483,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/fidelity.py step", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--updates", type=int, default=200)
     parser.add_argument("--report-every", type=int, default=0, help="also report after every N updates")
@@ -539,9 +532,5 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, header)
     print(table)
     if args.out:
-        write_table_files(args.out, "step_fidelity.py", argv, table, {"start_updates": start_updates, "rows": rows})
+        write_table_files(args.out, "fidelity.py step", argv, table, {"start_updates": start_updates, "rows": rows})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,7 +7,7 @@ For each input dtype and batch size, two augmented copies of a batch of 84×84 9
 Rounds alternate the order of the three; the table gives the medians and the ratios to the
 gather.
 
-    python tools/shift_timing.py --out docs/results/aug_shift/shift_cpu
+    python tools/instruments/shift_timing.py --out docs/results/aug_shift/shift_cpu
 
 Prints a markdown table (and writes ``OUT.md`` / ``OUT.json``). Measure with nothing else on
 the cores.
@@ -27,7 +27,7 @@ from kornia.geometry.transform import translate
 
 from pixelsac.augment import RandomShift
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/
 from table_files import write_table_files  # noqa: E402
 
 DTYPES = {"uint8": torch.uint8, "fp16": torch.float16, "fp32": torch.float32}
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
-        write_table_files(args.out, "shift_timing.py", argv, table, {"threads": args.threads, "rows": data})
+        write_table_files(args.out, "instruments/shift_timing.py", argv, table, {"threads": args.threads, "rows": data})
     return 0
 
 

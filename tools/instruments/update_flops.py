@@ -1,8 +1,8 @@
 """FLOPs of one update of the configured agent at several batch sizes, and what a time per update
 asks of the hardware (``pixelsac/perf/flops.py``: convolutions and matmuls, forward and backward).
 
-    python tools/update_flops.py --batch-sizes 128,512 --ms 3,6 task=cartpole_swingup
-    python tools/update_flops.py --batch-sizes 512 --measured "512:16.4:fp16, CUDA graphs" \\
+    python tools/instruments/update_flops.py --batch-sizes 128,512 --ms 3,6 task=cartpole_swingup
+    python tools/instruments/update_flops.py --batch-sizes 512 --measured "512:16.4:fp16, CUDA graphs" \\
         --out docs/results/update_flops/drq task=cartpole_swingup
 
 ``key=value`` arguments are the training configuration's (``conf/config.yaml``). ``--ms`` adds a
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/
 from table_files import write_table_files  # noqa: E402
 
 
@@ -115,7 +115,7 @@ def _write(args: argparse.Namespace, overrides: list[str], argv: list[str] | Non
             },
             "measured": [{"batch": b, "ms": m, "label": label} for b, m, label in args.measured],
         }
-        write_table_files(args.out, "update_flops.py", argv, text, data)
+        write_table_files(args.out, "instruments/update_flops.py", argv, text, data)
     return 0
 
 

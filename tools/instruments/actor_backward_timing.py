@@ -7,7 +7,7 @@ For each precision and batch size, one module (84×84 9-channel frames, DrQ's wi
 augmented batch; the actor's gradients of both forms are checked equal first. Rounds alternate
 the order of the two; the table gives the medians and their ratio.
 
-    python tools/actor_backward_timing.py --out docs/results/dispatch_cpu/actor_backward_cpu
+    python tools/instruments/actor_backward_timing.py --out docs/results/dispatch_cpu/actor_backward_cpu
 
 Prints a markdown table (and writes ``OUT.md`` / ``OUT.json``). Measure with nothing else on
 the cores.
@@ -29,7 +29,7 @@ from pixelsac.config import load_config, to_plain
 from pixelsac.module import SACModule
 from pixelsac.perf.calibration import bare_trainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/
 from table_files import write_table_files  # noqa: E402
 
 OBS_SHAPE, ACTION_DIM = (9, 84, 84), 1
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.out:
         meta = {"threads": args.threads, "rounds": args.rounds, "rows": data}
-        write_table_files(args.out, "actor_backward_timing.py", argv, table, meta)
+        write_table_files(args.out, "instruments/actor_backward_timing.py", argv, table, meta)
     return 0
 
 

@@ -1,13 +1,13 @@
-"""The GPU run's report and archive (``tools/gpu_run.sh`` calls it after every part).
+"""The GPU run's report and archive (``tools/gpu/gpu_run.sh`` calls it after every part).
 
-    python tools/gpu_report.py report WORK OUT [--final] [--archive-mb 20]
+    python tools/gpu/gpu_report.py report WORK OUT [--final] [--archive-mb 20]
                                                            # OUT/report.md from what WORK holds now
                                                            # (and OUT/results.tar.gz)
-    python tools/gpu_report.py gate WORK                   # the CUDA-graph gate's verdict: on,
+    python tools/gpu/gpu_report.py gate WORK                   # the CUDA-graph gate's verdict: on,
                                                            # on-uncompiled or off
-    python tools/gpu_report.py brief WORK [--out OUT]      # at most 15 lines: every goal figure, the
+    python tools/gpu/gpu_report.py brief WORK [--out OUT]      # at most 15 lines: every goal figure, the
                                                            # GPU, torch, what was cut (OUT/brief.txt)
-    python tools/gpu_report.py archive WORK OUT [--max-mb 20]
+    python tools/gpu/gpu_report.py archive WORK OUT [--max-mb 20]
 
 ``WORK`` is the script's scratch tree: ``status.tsv`` (one line per part: name, state, exit code,
 seconds, limit, note), ``plan.txt`` (the time budget), ``device.txt``, ``triton.txt`` (whether
@@ -42,7 +42,7 @@ BENCH_PARTS = (*GOAL_PARTS, "bench512", "bench128", "syncfree", "ablations", "la
 GOAL_MS = {512: 6.0, 128: 3.0}
 GOAL_SPEEDUP = {512: 2.5, 128: 2.0}
 GOAL_FRAMES_PER_S = 800.0
-#: what the goals parts time, in order (tools/gpu_run.sh's GOAL_MODES): the compiled one last, so a
+#: what the goals parts time, in order (tools/gpu/gpu_run.sh's GOAL_MODES): the compiled one last, so a
 #: cold compile that overruns its part's limit cuts only itself
 GOAL_MODES = ("fp32", "fp16", "tf32", "bf16", "fp16-compiled")
 FP16_MODES = ("fp16", "fp16-compiled")

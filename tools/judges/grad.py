@@ -11,7 +11,7 @@ it nearly cancels, its relative error can be tens of times the median); the acto
 split into its mean (μ) rows and its log σ rows. ``--variant`` recomputes the low-precision side
 with extra overrides (e.g. ``lowp.fp32_accumulate=false``), from the same weights.
 
-    python tools/grad_fidelity.py RUN_DIR --batches 8
+    python tools/fidelity.py grad RUN_DIR --batches 8
 
 ``--loss-scale``: the scale each loss's backward runs at. ``largest`` (the default) starts at
 2^15 and halves until the batch's gradients are finite, so the comparison measures fp16's
@@ -33,7 +33,6 @@ others' is where the low precision loses the learning signal.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import sys
@@ -43,68 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from table_files import write_table_files
 
-from pixelsac import checkpoint as ckpt_io
+from judges.common import RunUnreadable, float64_policy, load_run, losses, run_scales
 from pixelsac.config import from_plain, parse_overrides, to_plain
 from pixelsac.lowp import all_finite
 from pixelsac.module import LOSSES, SACModule
-from pixelsac.replay import ReplaySet
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from drq_side_by_side import float64_policy  # noqa: E402
-from table_files import write_table_files  # noqa: E402
-
-
-class RunUnreadable(Exception):
-    """A run directory without a readable ``last.ckpt`` or the replay saved beside it: one line
-    for the user (the tools exit 2)."""
-
-
-def load_run(run_dir: Path) -> tuple[SACModule, ReplaySet, dict[str, Any]]:
-    """The module, the replay and the checkpoint of ``run_dir``'s ``last.ckpt``; raises
-    :class:`RunUnreadable` when either cannot be read. The module shifts by index, whose integer
-    shifts are the same in every dtype, so a float64 copy of it sees the same pixels."""
-    try:
-        checkpoint = ckpt_io.load(run_dir, prefer="last")
-    except (OSError, ckpt_io.CheckpointError) as exc:
-        raise RunUnreadable(str(exc)) from None
-    module = SACModule.from_checkpoint(checkpoint)
-    module.augment.backend = "index"
-    cfg = module.cfg
-    replay_file = None
-    for state in checkpoint.get("callbacks", {}).values():
-        if isinstance(state, dict) and state.get("replay_file"):
-            replay_file = state["replay_file"]
-    if replay_file is None:
-        raise RunUnreadable(f"{run_dir}'s last.ckpt names no replay file (checkpoint.save_replay was off)")
-    try:
-        state = torch.load(run_dir / "checkpoints" / replay_file, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise RunUnreadable(f"cannot read the replay {replay_file} beside {run_dir}'s last.ckpt: {exc}") from None
-    frame_shape = (module.obs_shape[0] // cfg.env.frame_stack, *module.obs_shape[1:])
-    replay = ReplaySet(
-        len(state["buffers"]), cfg.replay.capacity, frame_shape, np.uint8, cfg.env.frame_stack, module.action_dim
-    )
-    replay.load_state_dict(state)
-    return module, replay, checkpoint
-
-
-@contextlib.contextmanager
-def shared_noise(seed: int):
-    """torch.randn draws float32 normals from one seeded stream and casts them to the dtype asked
-    for: every precision gets the same noise (rounded to its dtype), float64 gets it unrounded."""
-    original = torch.randn
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*size: Any, dtype: torch.dtype | None = None, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
-        return original(shape, generator=generator, dtype=torch.float32).to(dtype=dtype or torch.float32)
-
-    torch.randn = randn
-    try:
-        yield
-    finally:
-        torch.randn = original
 
 
 def _scaled_backward(
@@ -122,28 +65,6 @@ def _scaled_backward(
         if not search or scale <= 1.0 or all(bool(all_finite(g)) for g in grads.values()):
             return grads
         scale /= 2
-
-
-def losses(
-    module: SACModule, batch: dict[str, torch.Tensor], seed: int
-) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """Per loss (critic, actor, alpha): the loss on ``batch`` as the module computes it, with the
-    augmentation shifts and policy noise of ``seed`` (:func:`shared_noise`), and the parameters it
-    trains by name."""
-    policy, agent = module.precision_policy, module.cfg.agent
-    torch.manual_seed(seed)  # the augmentation's shifts (integers: the same in every dtype)
-    with shared_noise(seed):
-        next_aug = policy.cast_observation(module.augment.copies(batch["next_obs"], agent.aug_target_copies))
-        obs_aug = policy.cast_observation(module.augment.copies(batch["obs"], agent.aug_q_copies))
-        action, reward, not_terminal = (policy.cast_input(batch[k]) for k in ("action", "reward", "not_terminal"))
-        with policy.compute_context():
-            critic_loss, _ = module.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
-            actor_loss, alpha_loss, _ = module.actor_and_alpha_loss(obs_aug[: action.shape[0]])
-    return {
-        "critic": (critic_loss, {f"critic.{n}": p for n, p in module.critic.named_parameters()}),
-        "actor": (actor_loss, {f"actor.{n}": p for n, p in module.actor.named_parameters()}),
-        "alpha": (alpha_loss, {"log_alpha": module.log_alpha}),
-    }
 
 
 def gradients(
@@ -164,12 +85,6 @@ def gradients(
         grads.update(_scaled_backward(loss, params, scales[name], search))
     grads["log_alpha"] = grads["log_alpha"].reshape(1)
     return grads
-
-
-def run_scales(checkpoint: dict[str, Any]) -> dict[str, float]:
-    """Each loss's scale as the checkpoint's scalers hold it (1.0 for a loss without one)."""
-    saved = checkpoint.get("pixelsac", {}).get("scalers", {})
-    return {name: float(saved[name]["scale"]) if name in saved else 1.0 for name in LOSSES}
 
 
 def parse_loss_scale(spec: str) -> str | float:
@@ -243,7 +158,7 @@ def _scale_label(spec: str | float, saved: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/fidelity.py grad", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -344,9 +259,5 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
-        write_table_files(args.out, "grad_fidelity.py", argv, table, {"rows": rows})
+        write_table_files(args.out, "fidelity.py grad", argv, table, {"rows": rows})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -5,8 +5,8 @@ its strategy internals, so the version tested here travels and replaces another 
 
 On a machine with network (any platform), build the wheelhouse for the GPU machine's Python::
 
-    python tools/gpu_wheels.py --python-version 3.12     # -> .whl/ (about 35 MB)
-    python tools/gpu_wheels.py --print                   # the exact list and command, nothing downloaded
+    python tools/gpu/gpu_wheels.py --python-version 3.12     # -> .whl/ (about 35 MB)
+    python tools/gpu/gpu_wheels.py --print                   # the exact list and command, nothing downloaded
 
 It runs ``pip download --only-binary=:all: --no-deps --python-version X.Y --platform ...`` of the
 exact list :data:`WHEELS` (every package pinned: what travels is what was tested here;
@@ -14,9 +14,9 @@ exact list :data:`WHEELS` (every package pinned: what travels is what was tested
 wheels the folders that ``dm_control.suite`` never imports (:data:`STRIP`: the locomotion
 models, test data and mujoco's GUI app, 60 MB of the 100), and refuses to write more than
 ``--max-mb`` (default 45: the wheels travel beside the repository, which has a size limit of its
-own on most GPU loans). On the GPU machine ``tools/gpu_run.sh`` installs them itself; by hand::
+own on most GPU loans). On the GPU machine ``tools/gpu/gpu_run.sh`` installs them itself; by hand::
 
-    python tools/gpu_wheels.py --install .whl --target /tmp/site
+    python tools/gpu/gpu_wheels.py --install .whl --target /tmp/site
     export PYTHONPATH=/tmp/site:$PWD MUJOCO_GL=egl
 
 ``--install`` installs the wheels whose package the machine lacks or has in another version
@@ -61,7 +61,7 @@ WHEELS: tuple[str, ...] = (
     "tensorboardx==2.6.5",  # Lightning's TensorBoard logger without tensorboard's gRPC wheels
     "protobuf==7.36.2",  # tensorboardX's
     "imageio==2.38.2",  # GIF videos (mp4 needs imageio-ffmpeg's 68 MB binary: not carried); tests import it
-    "pytest==9.2.0",  # the GPU tests (tools/gpu_run.sh part 0)
+    "pytest==9.2.0",  # the GPU tests (tools/gpu/gpu_run.sh part 0)
     "iniconfig==2.3.1",
     "pluggy==1.7.0",
     "pygments==2.21.0",
@@ -235,7 +235,7 @@ def build(python_version: str, dest: Path, max_mb: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's CPython, MAJOR.MINOR")
-    parser.add_argument("--dest", type=Path, default=Path(__file__).resolve().parent.parent / ".whl")
+    parser.add_argument("--dest", type=Path, default=Path(__file__).resolve().parent.parent.parent / ".whl")
     parser.add_argument("--max-mb", type=float, default=45.0, help="refuse wheels adding up to more (10^6 bytes)")
     parser.add_argument("--print", action="store_true", help="print the exact list and the command, download nothing")
     parser.add_argument("--install", type=Path, metavar="WHEEL_DIR", help="install the missing wheels of WHEEL_DIR")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Soak test: thousands of tiny updates with collection, checkpointing and resume, in one process.
 
-    .venv/bin/python tools/soak.py [--segments 8] [--frames-per-segment 2560] [--precision fp32]
+    .venv/bin/python tools/instruments/soak.py [--segments 8] [--frames-per-segment 2560] [--precision fp32]
 
 The run is cut into segments; each segment resumes the previous one's last checkpoint (replay
 buffer included) in the same process, as a pre-empted job would. After every segment it checks
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("MUJOCO_GL", "egl")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from pixelsac.train import resolve_config, train  # noqa: E402
 

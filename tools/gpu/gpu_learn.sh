@@ -2,7 +2,7 @@
 # fp32, fp16 and bf16 learning side by side on one GPU: the full DrQ agent on cartpole_swingup from
 # pixels, one seed, to 100k env frames or as far as the time allows. Without network.
 #
-#   tools/gpu_learn.sh OUT_DIR        # or: OUT=OUT_DIR tools/gpu_learn.sh
+#   tools/gpu/gpu_learn.sh OUT_DIR        # or: OUT=OUT_DIR tools/gpu/gpu_learn.sh
 #
 # How long: at most TOTAL seconds (585 by default: 9 min 45 s, inside a 10-minute slot; `--plan`
 # prints the sum). Every step has a limit and the training gets what the others leave: the set-up
@@ -22,14 +22,14 @@
 # scales, skipped steps and headroom columns of fp16 at its latest log row). A script cut at any
 # moment keeps what was measured until the last rewrite. Checkpoints and replay stay in $WORK.
 #
-# Missing packages come from wheels in .whl/ (`python tools/gpu_wheels.py --python-version 3.12`
+# Missing packages come from wheels in .whl/ (`python tools/gpu/gpu_wheels.py --python-version 3.12`
 # on a machine with network) installed into /tmp/site; .gl/*.deb (EGL loaders) are unpacked
 # first when present.
 #
 # Knobs (environment): TOTAL=585 PERIOD=30 STOP_S=25 FINAL_S=15 T_GL=10 T_WHEELS=30 T_CHECK=45
 #   GRACE=2 FRAMES=100000 TASK=cartpole_swingup SEED=1 MODES="fp32 fp16 bf16" PYTHON=python3
 #   DEVICE=cuda LEARN_ARGS (extra key=value overrides for every run). A CPU smoke run (the tests
-#   do this): DEVICE=cpu TOTAL=120 PERIOD=10 LEARN_ARGS='preset=tiny' tools/gpu_learn.sh /tmp/smoke
+#   do this): DEVICE=cpu TOTAL=120 PERIOD=10 LEARN_ARGS='preset=tiny' tools/gpu/gpu_learn.sh /tmp/smoke
 set -uo pipefail
 
 TOTAL=${TOTAL:-585}; PERIOD=${PERIOD:-30}; STOP_S=${STOP_S:-25}; FINAL_S=${FINAL_S:-15}; GRACE=${GRACE:-2}
@@ -57,11 +57,11 @@ fi
 
 OUT=${1:-${OUT:-}}
 if [[ -z "$OUT" ]]; then
-  echo "usage: tools/gpu_learn.sh OUT_DIR   (or set OUT)" >&2
+  echo "usage: tools/gpu/gpu_learn.sh OUT_DIR   (or set OUT)" >&2
   exit 2
 fi
 started=$SECONDS
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=${WORK:-$(mktemp -d /tmp/pixelsac_gpu_learn.XXXXXX)}
@@ -81,7 +81,7 @@ for f in /usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json; do
   [[ -f "$f" ]] && export __EGL_VENDOR_LIBRARY_FILENAMES="$f"
 done
 if compgen -G ".whl/*.whl" > /dev/null; then
-  timeout -k "$GRACE" "$T_WHEELS" "$PY" tools/gpu_wheels.py --install .whl --target /tmp/site \
+  timeout -k "$GRACE" "$T_WHEELS" "$PY" tools/gpu/gpu_wheels.py --install .whl --target /tmp/site \
     || say "warning: installing the wheels failed"
   export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
@@ -89,7 +89,7 @@ else
 fi
 export MUJOCO_GL=egl PYTHONUNBUFFERED=1
 if ! timeout -k "$GRACE" "$T_CHECK" "$PY" -c "import torch, lightning, kornia, dm_control, matplotlib; print('torch', torch.__version__)"; then
-  say "error: the packages pixelsac needs are not importable here (build .whl/ with tools/gpu_wheels.py)"
+  say "error: the packages pixelsac needs are not importable here (build .whl/ with tools/gpu/gpu_wheels.py)"
   cp "$LOG" "$OUT/gpu_learn.log"
   exit 2
 fi

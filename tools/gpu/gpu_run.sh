@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What half precision buys on a GPU, measured in a few minutes of one, without network.
 #
-#   tools/gpu_run.sh OUT_DIR          # or: OUT=OUT_DIR tools/gpu_run.sh
-#   tools/gpu_run.sh --plan           # the time budget of the parts below; exit 1 if it does not fit
-#   GOALS=1 tools/gpu_run.sh OUT_DIR  # only what the speed goals need (below)
+#   tools/gpu/gpu_run.sh OUT_DIR          # or: OUT=OUT_DIR tools/gpu/gpu_run.sh
+#   tools/gpu/gpu_run.sh --plan           # the time budget of the parts below; exit 1 if it does not fit
+#   GOALS=1 tools/gpu/gpu_run.sh OUT_DIR  # only what the speed goals need (below)
 #
 # How long: at most TOTAL seconds, 585 by default (9 min 45 s: it fits a 10-minute slot), the
 # worst case of every step running to its limit (`--plan` adds it up). Typically about 5 minutes:
@@ -13,7 +13,7 @@
 #
 # Run from anywhere; it works in the repository that holds this script. Missing packages come
 # from wheels in .whl/, built beforehand on a machine with network by
-# `python tools/gpu_wheels.py --python-version 3.12` (the GPU machine's Python) and installed
+# `python tools/gpu/gpu_wheels.py --python-version 3.12` (the GPU machine's Python) and installed
 # here into /tmp/site (those the machine lacks or has in another version). If .gl/*.deb
 # exist (EGL loaders) they are unpacked first.
 #
@@ -91,7 +91,7 @@
 #   GPU_TESTS=1 (0 skips parts graphs and gpu_tests). A CPU smoke run (the tests do this):
 #   DEVICE=cpu GPU_TESTS=0 BENCH_ARGS='env.image_size=24 agent.num_filters=4 bench.isolate=false' \
 #     FAST_ARGS='preset=tiny' N512=1 N128=1 N_ABL=1 N_CL=1 N_SF=1 WARMUP=0 FAST_FRAMES=0 \
-#     tools/gpu_run.sh /tmp/smoke
+#     tools/gpu/gpu_run.sh /tmp/smoke
 set -uo pipefail
 
 TOTAL=${TOTAL:-585}; GRACE=${GRACE:-3}; REPORT_S=${REPORT_S:-4}; GATE_S=${GATE_S:-3}; FINAL_S=${FINAL_S:-10}
@@ -116,7 +116,7 @@ N_COMPILE=${N_COMPILE:-40}; N_OPTSTEP=${N_OPTSTEP:-40}; WARMUP=${WARMUP:-10}
 FAST_FRAMES=${FAST_FRAMES:-6000}; FAST_TASK=${FAST_TASK:-cartpole_swingup}
 PY=${PYTHON:-python3}; DEVICE=${DEVICE:-cuda}; BENCH_ARGS=${BENCH_ARGS:-}; FAST_ARGS=${FAST_ARGS:-}
 MODES=fp32,fp16,tf32,amp,bf16,fp16-naive
-GOAL_MODES=fp32,fp16,tf32,bf16,fp16-compiled  # tools/gpu_report.py's GOAL_MODES, the compiled one last
+GOAL_MODES=fp32,fp16,tf32,bf16,fp16-compiled  # tools/gpu/gpu_report.py's GOAL_MODES, the compiled one last
 GRAPH_TEST=tests/test_graphs.py::test_real_cuda_graphs_equal_eager_updates_on_a_gpu
 
 # name:limit[:spare] of every part that this configuration runs, in order
@@ -181,11 +181,11 @@ fi
 
 OUT=${1:-${OUT:-}}
 if [[ -z "$OUT" ]]; then
-  echo "usage: tools/gpu_run.sh OUT_DIR   (or set OUT; --plan prints the time budget)" >&2
+  echo "usage: tools/gpu/gpu_run.sh OUT_DIR   (or set OUT; --plan prints the time budget)" >&2
   exit 2
 fi
 started=$SECONDS
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=${WORK:-$(mktemp -d /tmp/pixelsac_gpu_run.XXXXXX)}
@@ -200,18 +200,18 @@ elapsed() { echo $(( SECONDS - started )); }
 say() { echo "[gpu_run +$(elapsed)s] $*"; }
 
 write_report() {  # report.md and results.tar.gz in OUT, now (bounded: REPORT_S)
-  timeout -k 1 "$(( REPORT_S > 1 ? REPORT_S - 1 : 1 ))" "$PY" tools/gpu_report.py report "$WORK" "$OUT" \
+  timeout -k 1 "$(( REPORT_S > 1 ? REPORT_S - 1 : 1 ))" "$PY" tools/gpu/gpu_report.py report "$WORK" "$OUT" \
     --archive-mb "$ARCHIVE_MB" || say "warning: the report step failed or ran out of time"
   cp "$LOG" "$OUT/gpu_run.log" 2>/dev/null || true
 }
 
 finish() {  # the final report and the brief within FINAL_S; the brief is the last thing printed
   say "writing the final report"
-  timeout -k 1 "$(( FINAL_S > 6 ? FINAL_S - 5 : 1 ))" "$PY" tools/gpu_report.py report "$WORK" "$OUT" \
+  timeout -k 1 "$(( FINAL_S > 6 ? FINAL_S - 5 : 1 ))" "$PY" tools/gpu/gpu_report.py report "$WORK" "$OUT" \
     --archive-mb "$ARCHIVE_MB" --final || say "warning: the final report failed or ran out of time"
   say "done in $(elapsed) s: $OUT ($(ls "$OUT" | tr '\n' ' '))"
   cp "$LOG" "$OUT/gpu_run.log" 2>/dev/null || true
-  timeout -k 1 2 "$PY" tools/gpu_report.py brief "$WORK" --out "$OUT" \
+  timeout -k 1 2 "$PY" tools/gpu/gpu_report.py brief "$WORK" --out "$OUT" \
     || echo "brief: not written in time (see $OUT/report.md)"
 }
 
@@ -228,7 +228,7 @@ for f in /usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json; do
   [[ -f "$f" ]] && export __EGL_VENDOR_LIBRARY_FILENAMES="$f"
 done
 if compgen -G ".whl/*.whl" > /dev/null; then
-  timeout -k "$GRACE" "$T_WHEELS" "$PY" tools/gpu_wheels.py --install .whl --target /tmp/site \
+  timeout -k "$GRACE" "$T_WHEELS" "$PY" tools/gpu/gpu_wheels.py --install .whl --target /tmp/site \
     || say "warning: installing the wheels failed"
   export PYTHONPATH="/tmp/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
@@ -238,14 +238,14 @@ export MUJOCO_GL=egl PYTHONUNBUFFERED=1
 # device.txt gets its line before triton is tried, so a hanging compile still leaves the packages
 # shown importable; triton.txt says whether one kernel compiled (none: it ran out of time)
 rm -f "$WORK/triton.txt"
-timeout -k "$GRACE" "$T_CHECK" "$PY" tools/gpu_check.py "$DEVICE" "$WORK/triton.txt" > "$WORK/device.txt"
+timeout -k "$GRACE" "$T_CHECK" "$PY" tools/gpu/gpu_check.py "$DEVICE" "$WORK/triton.txt" > "$WORK/device.txt"
 rc=$?
 cat "$WORK/device.txt"
 if ! grep -q "^- python" "$WORK/device.txt"; then
   why=$([[ $rc == 124 || $rc == 137 ]] && echo "timed out" || echo "failed")
   printf 'set-up\t%s\t%s\t\t%s\timporting torch, lightning, kornia, omegaconf, dm_control: see gpu_run.log\n' \
     "$why" "$rc" "$T_CHECK" >> "$WORK/status.tsv"
-  say "error: the packages pixelsac needs are not importable here (build .whl/ with tools/gpu_wheels.py)"
+  say "error: the packages pixelsac needs are not importable here (build .whl/ with tools/gpu/gpu_wheels.py)"
   finish
   exit 2
 fi
@@ -333,7 +333,7 @@ if [[ "$GPU_TESTS" != 0 ]]; then
   gate_pytest="\"\$PY\" -m pytest -m gpu -q -p no:cacheprovider"
   part graphs bash -c "$gate_pytest -k 'not fp16-compiled' --junitxml='$WORK/graphs.xml' '$GRAPH_TEST'; \
     $gate_pytest --junitxml='$WORK/graphs_compiled.xml' '$GRAPH_TEST[fp16-compiled]'"
-  GATE=$(timeout -k 1 "$(( GATE_S > 1 ? GATE_S - 1 : 1 ))" "$PY" tools/gpu_report.py gate "$WORK") || GATE=off
+  GATE=$(timeout -k 1 "$(( GATE_S > 1 ? GATE_S - 1 : 1 ))" "$PY" tools/gpu/gpu_report.py gate "$WORK") || GATE=off
   [[ "$GATE" == on || "$GATE" == on-uncompiled ]] && GRAPHS=on
 fi
 say "CUDA graphs: $GATE"

@@ -7,7 +7,7 @@ tensor of a checkpoint this prints ``max|θ|``, ``max|θ̄|``, the scale the run
 fraction of the dtype's range that ``K_i·max(|θ|, |θ̄|)`` fills, and whether the published ``K``
 would have overflowed (computed in the dtype, as the update computes it: ``K·θ`` not finite).
 
-    python tools/target_headroom.py RUN_DIR [--checkpoint last|best] [--out OUT]
+    python tools/instruments/target_headroom.py RUN_DIR [--checkpoint last|best] [--out OUT]
 
 Writes ``OUT.md`` and ``OUT.json`` when ``--out`` is given.
 """
@@ -23,7 +23,7 @@ import torch
 from pixelsac import checkpoint as ckpt_io
 from pixelsac.module import SACModule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/
 from table_files import write_table_files  # noqa: E402
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:
-        write_table_files(args.out, "target_headroom.py", argv, table, {"rows": rows})
+        write_table_files(args.out, "instruments/target_headroom.py", argv, table, {"rows": rows})
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """This project's update against the official DrQ update, in one process, interleaved.
 
-    .venv/bin/python tools/drq_side_by_side.py /path/to/drq [--batch-sizes 128,512] [--rounds 6]
+    .venv/bin/python tools/fidelity.py drq /path/to/drq [--batch-sizes 128,512] [--rounds 6]
 
 ``/path/to/drq`` is a checkout of https://github.com/denisyarats/drq (its ``drq.py``,
 ``utils.py`` and ``replay_buffer.py`` are imported from there; nothing of it is copied here).
@@ -30,7 +30,6 @@ printed with the results: compare runs only under the same settings.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import os
@@ -42,12 +41,13 @@ import types
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from judges.common import float64_policy, make_agent, one_update
 
 IMAGE, STACK, ACTION_DIM = 84, 3, 1
+OBS_SHAPE = (STACK * 3, IMAGE, IMAGE)
 AGREEMENT_TOLERANCE = 1e-9
 
 
@@ -134,32 +134,6 @@ def our_overrides(precision: str, batch_size: int, extra: list[str]) -> list[str
         "train.log_every_updates=1000000000",
         *extra,
     ]
-
-
-def make_our_agent(
-    overrides: list[str], obs_shape: tuple[int, ...] = (STACK * 3, IMAGE, IMAGE), action_dim: int = ACTION_DIM
-) -> Any:
-    """A SACModule set up as the Trainer would, driven through Lightning Fabric (one CPU process),
-    so that several agents can take turns in one loop."""
-    from lightning.fabric import Fabric
-
-    from pixelsac.config import load_config, to_plain
-    from pixelsac.module import SACModule
-
-    cfg = load_config(overrides)
-    module = SACModule(to_plain(cfg), obs_shape, action_dim)
-    fabric = Fabric(accelerator="cpu", devices=1)
-    module._fabric = fabric  # what Fabric.setup does; setup() below needs it before the optimizers exist
-    module.setup("fit")
-    optimizers = module.configure_optimizers()
-    module, *optimizers = fabric.setup(module, *optimizers)
-    # not module.on_fit_start(): it prepares a checkpoint's restore through trainer.optimizers,
-    # which a Fabric-driven module lacks, and nothing is restored here
-    return module
-
-
-def our_update(module: Any, batch: dict[str, torch.Tensor]) -> None:
-    module.training_step(iter([(batch, 0, 0)]))
 
 
 def random_replay(batch_size: int, seed: int) -> tuple[Any, np.random.Generator]:
@@ -261,23 +235,16 @@ class _FixedBatch:
         )
 
 
-def float64_policy(policy: Any) -> Any:
-    """``policy`` (a PrecisionPolicy) with every dtype float64: the judge's machinery is fp32's."""
-    from pixelsac import precision
-
-    judge = dataclasses.make_dataclass("Float64Policy", [], bases=(precision.PrecisionPolicy,), frozen=True)
-    judge.param_dtype = property(lambda self: torch.float64)
-    return judge(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(precision.PrecisionPolicy)})
-
-
 def check_float64_agreement(drq: Any, batch_size: int, updates: int = 3) -> float:
     """Largest |ours - DrQ| / (max |DrQ| + 1e-12) over every weight after ``updates`` float64 updates."""
     from pixelsac.perf import synthetic_batch
 
     torch.manual_seed(0)
     theirs = make_drq_agent(drq, batch_size, torch.device("cpu"))
-    ours = make_our_agent(
-        our_overrides("fp32", batch_size, ["agent.aug_pad=0", "perf.channels_last=false", "lowp.derived_target=false"])
+    ours = make_agent(
+        our_overrides("fp32", batch_size, ["agent.aug_pad=0", "perf.channels_last=false", "lowp.derived_target=false"]),
+        OBS_SHAPE,
+        ACTION_DIM,
     )
     ours.double()
     ours.precision_policy = float64_policy(ours.precision_policy)
@@ -297,7 +264,7 @@ def check_float64_agreement(drq: Any, batch_size: int, updates: int = 3) -> floa
         torch.manual_seed(100 + step)
         theirs.update(_FixedBatch(batch), logger, step)
         torch.manual_seed(100 + step)
-        our_update(ours, batch)
+        one_update(ours, batch)
     worst = 0.0
     for _name, mine, other in _pairs(ours, theirs):
         scale = float(other.detach().abs().max()) + 1e-12
@@ -314,9 +281,9 @@ def time_side_by_side(
     their_replay = drq_replay(replay_module, batch_size, seed=1)
     contenders: dict[str, Any] = {"drq": lambda step: theirs.update(their_replay, _NoLogger(), step)}
     for precision in ("fp32", "fp16") if with_fp16 else ("fp32",):
-        module = make_our_agent(our_overrides(precision, batch_size, []))
+        module = make_agent(our_overrides(precision, batch_size, []), OBS_SHAPE, ACTION_DIM)
         replay, rng = random_replay(batch_size, seed=2)
-        contenders[f"ours_{precision}"] = lambda step, module=module, replay=replay, rng=rng: our_update(
+        contenders[f"ours_{precision}"] = lambda step, module=module, replay=replay, rng=rng: one_update(
             module, replay.sample(batch_size, rng)
         )
     times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -330,7 +297,7 @@ def time_side_by_side(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/fidelity.py drq", description=__doc__.split("\n\n")[0])
     parser.add_argument("drq", type=Path, help="a checkout of github.com/denisyarats/drq")
     parser.add_argument("--batch-sizes", default="128,512")
     parser.add_argument("--rounds", type=int, default=6, help="timed updates of each contender per batch size")
@@ -372,7 +339,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
