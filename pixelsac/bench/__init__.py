@@ -43,18 +43,15 @@ keys are not used: the benchmark runs one device (``bench.device``).
 
 from __future__ import annotations
 
-import os
-import sys
-
 from pixelsac import cli
-from pixelsac.benchmark.plan import OPTIONS_USAGE
+from pixelsac.bench.plan import OPTIONS_USAGE
 
 USAGE = (__doc__ or "") + OPTIONS_USAGE
 
 
 def _command(argv: list[str]) -> int:
-    from pixelsac.benchmark.cells import apply_threads, cell_main, run_plan
-    from pixelsac.benchmark.plan import make_plan
+    from pixelsac.bench.cells import apply_threads, cell_main, run_plan
+    from pixelsac.bench.plan import make_plan
 
     if argv[:1] == ["--cell"] and len(argv) == 2:  # a fresh process measuring one cell
         return cell_main(argv[1])
@@ -67,13 +64,3 @@ def _command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run_command(_command, argv, USAGE)
-
-
-if __name__ == "__main__":
-    from pixelsac import allocator
-
-    # The benchmark renders nothing; without this, importing dm_control (for the task's shapes)
-    # loads the OpenGL library MUJOCO_GL names, which a GPU box without display libraries lacks.
-    os.environ["MUJOCO_GL"] = "disable"
-    allocator.configure()  # glibc malloc keeps large freed buffers, as under make (pixelsac/allocator.py)
-    sys.exit(main())
