@@ -32,9 +32,6 @@ import torch
 from pixelsac import lifeline
 from pixelsac.envs.vector import EnvWorkerError, ignore_parents_signals, receive_from
 
-#: the parts of the module :meth:`SACModule.act` reads
-ACTING_PARTS = ("actor", "critic.trunk")
-
 
 def acting_weights(module: Any) -> dict[str, dict[str, torch.Tensor]]:
     """A CPU copy of the weights :meth:`SACModule.act` uses (the actor and the conv trunk)."""
