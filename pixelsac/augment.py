@@ -20,8 +20,8 @@ the same images bit for bit:
   normalised coordinates of ``align_corners=True`` (``2·c/(size - 1) - 1``); nearest sampling
   rounds each coordinate back to its integer and the border mode clamps it -- the
   replicate-padded crop again, exactly. The map is built on two vectors (a row and a column of
-  coordinates per sample), so the call is about 20 ops (12 kernels); kornia's ``translate``
-  derives the same map from an affine matrix through ~120 ops (54 kernels) on 3×3 matrices.
+  coordinates per sample), so the call is a few ops; kornia's ``translate`` derives the same map
+  from an affine matrix through several times as many on 3×3 matrices (docs/performance.md).
   Exact when the map's coordinates are integers of the sampling dtype and their normalised
   values round back to them (:func:`sampling_dtype`: the images' dtype up to size - 1 + pad of
   1,024 in fp16 and 128 in bf16, float32 beyond; uint8 frames in float32 on a CPU, float16
@@ -30,10 +30,8 @@ the same images bit for bit:
   ``grid_sample`` does here; this backend is kornia's way of doing it.
 
 ``backend=None`` (``perf.aug_backend: null``) picks per device: ``kornia`` on CUDA, ``index``
-elsewhere. On a 2-core Intel Xeon (Sapphire Rapids, one thread, torch 2.13), two copies of a
-batch of 84×84 9-channel frames, medians of 7 interleaved rounds (tools/instruments/shift_timing.py): from
-uint8, kornia took 6.6x the gather at batch 128 (74 against 11 ms) and 4.9x at 512 (321 against
-65 ms); from fp16, 1.35x and 1.12x. kornia's ``translate`` took 1.2x to 1.25x this backend's time.
+elsewhere, where kornia takes several times the gather's time from uint8 frames (measured:
+docs/performance.md).
 """
 
 from __future__ import annotations

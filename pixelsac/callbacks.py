@@ -26,13 +26,9 @@ from pixelsac.checkpoint import REPLAY_OWNER, load_replay, replay_owner, save_at
 from pixelsac.collect import Collector, run_episodes
 from pixelsac.envs import DMCEnv
 from pixelsac.files import move_into_place
+from pixelsac.logs import log_metrics
 from pixelsac.stopping import StopRequest
 from pixelsac.video import EpisodeRecorder
-
-
-def _log(trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
 
 
 def _counters(collector: Collector, module: Any) -> dict[str, float]:
@@ -58,7 +54,7 @@ class TrainingLogger(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         counters = _counters(self.collector, module)
         for episode in self.collector.drain_episodes():
-            _log(
+            log_metrics(
                 trainer,
                 {
                     "train/episode_return": episode.ret,
@@ -79,7 +75,7 @@ class TrainingLogger(L.Callback):
             row.update({f"lowp/{name}": value for name, value in records.items()})
             for note in notes:
                 print(f"pixelsac: {note}", flush=True)
-            _log(trainer, {**row, **counters}, step=counters["env_frames"])
+            log_metrics(trainer, {**row, **counters}, step=counters["env_frames"])
             self.progress["critic_loss"] = row["train/critic_loss"]
 
 
@@ -329,7 +325,7 @@ class Evaluator(L.Callback):
         self.evaluations += 1
         if returns is not None:
             metrics = {"eval/return": mean, "eval/return_std": float(np.std(returns)), "eval/seconds": seconds}
-            _log(trainer, {**metrics, **counters}, step=frames)
+            log_metrics(trainer, {**metrics, **counters}, step=frames)
             for logger in trainer.loggers:
                 logger.save()
         if improved:

@@ -1,5 +1,12 @@
-"""What every command-line entry point shares (``train``, ``evaluate``, ``bench``).
+"""The command line: the console scripts, what every entry point shares, and what
+``pixelsac-train`` does with its arguments before any heavy library loads.
 
+* The console scripts :func:`train`, :func:`evaluate` and :func:`bench` (``pixelsac-train``,
+  ``pixelsac-evaluate``, ``pixelsac-bench``) set up the process the way ``make`` does
+  (:func:`pixelsac.allocator.configure`: glibc's malloc keeps large freed buffers) and run the
+  entry point's ``main``; ``python -m pixelsac.X`` does the same. The entry points' own modules
+  are imported only after the allocator is set. A Ctrl-C while they import is one line and exit
+  code 130, as it is once ``main`` runs (:func:`run_command`).
 * Exit codes, all defined here (:data:`EXIT_CODES` is the table the README shows): 0 done,
   :data:`EXIT_BAD_INPUT` (2) for anything the user can fix -- an unknown key, a wrong type, a
   value out of range, an unknown task, a missing file, an unusable checkpoint, no OpenGL, a run
@@ -13,6 +20,15 @@
 * :func:`resolve_device` (``auto``/``cpu``/``cuda[:N]``), :func:`env_from_config` (the env a
   configuration describes), :func:`check_out_dir` (the "folder not empty" refusal) and
   :func:`quiet_lightning` (Lightning's start-up chatter off).
+* ``pixelsac-train``'s arguments: :func:`train_usage` (``--help``: the entry point's text, then
+  every group and key of ``conf/config.yaml`` with its default and meaning,
+  :mod:`pixelsac.config_keys`); :func:`split_print_config`, the dry run (``--print-config`` or
+  ``print_config=true`` prints the composed, validated configuration as YAML and exits 0,
+  writing nothing, once the sizes a run checks before it starts pass:
+  :func:`pixelsac.run.check_dry_run`); :func:`check_early`, a new run's overrides composed and
+  validated before dm_control, torch or Lightning are imported, so a mistyped key or a wrong
+  type answers in a second (the task name against the dm_control suite and a checkpoint to
+  resume are checked afterwards).
 
 Heavy libraries (torch, dm_control) are imported where they are used, so ``--help`` and a
 mistyped key answer at once.
@@ -21,14 +37,20 @@ mistyped key answer at once.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pixelsac.config import ConfigError
+from omegaconf import OmegaConf
+
+from pixelsac import allocator
+from pixelsac.config import ConfigError, check_each_key_once, conf_dir, load_config, parse_overrides
+from pixelsac.config_keys import help_text
 
 EXIT_DONE = 0
 EXIT_BAD_INPUT = 2
@@ -212,13 +234,19 @@ def run_command(body: Callable[[list[str]], int], argv: Sequence[str] | None, us
         return EXIT_NUMERICAL_FAILURE
 
 
+def check_device_name(name: str) -> str:
+    """``name`` when it reads as a device (auto, cpu, cuda, cuda:N), else a ConfigError; whether
+    the device exists is :func:`resolve_device`'s to say."""
+    if name not in ("auto", "cpu") and not name.startswith("cuda"):
+        raise ConfigError(f"device={name!r}; choose auto, cpu, cuda or cuda:N")
+    return name
+
+
 def resolve_device(name: str) -> Any:
     """``auto`` -> cuda when available, else cpu; a cuda device that is missing is a ConfigError."""
     import torch
 
-    name = str(name).strip()
-    if name not in ("auto", "cpu") and not name.startswith("cuda"):
-        raise ConfigError(f"device={name!r}; choose auto, cpu, cuda or cuda:N")
+    name = check_device_name(str(name).strip())
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -300,3 +328,81 @@ def quiet_lightning() -> Iterator[None]:
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+# --- the console scripts -------------------------------------------------------------------------
+def train() -> int:
+    """``pixelsac-train``."""
+    return _run_entry_point("pixelsac.train")
+
+
+def evaluate() -> int:
+    """``pixelsac-evaluate``."""
+    return _run_entry_point("pixelsac.evaluate")
+
+
+def bench() -> int:
+    """``pixelsac-bench`` and ``python -m pixelsac.bench``."""
+    # The benchmark renders nothing; without this, importing dm_control (for the task's shapes)
+    # loads the OpenGL library MUJOCO_GL names, which a GPU box without display libraries lacks.
+    os.environ["MUJOCO_GL"] = "disable"
+    return _run_entry_point("pixelsac.bench")
+
+
+def _run_entry_point(module: str) -> int:
+    """The allocator set, then ``module.main()``; a Ctrl-C while ``module`` imports is one line."""
+    allocator.configure()
+    try:
+        main = importlib.import_module(module).main
+    except KeyboardInterrupt:
+        print(f"pixelsac: {INTERRUPTED_WHILE_STARTING}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return main()
+
+
+# --- pixelsac-train's arguments, before the heavy imports ----------------------------------------
+PRINT_FLAG = "--print-config"
+PRINT_KEY = "print_config"
+
+
+def train_usage(text: str) -> str:
+    """``text`` (the entry point's docstring) followed by the list of keys."""
+    return (
+        f"{text.rstrip()}\n\n"
+        f"{PRINT_FLAG} (or {PRINT_KEY}=true) prints the composed, validated configuration and exits without "
+        "running or writing anything, after the size checks a run makes before it starts.\n\n"
+        "Keys (conf/config.yaml; every one with its full meaning: docs/configuration.md):\n\n"
+        f"{help_text(conf_dir() / 'config.yaml')}\n"
+    )
+
+
+def split_print_config(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``argv`` without the dry-run request, and whether it was there. ``print_config`` takes true
+    or false; anything else is a one-line ConfigError."""
+    rest, wanted = [], False
+    for arg in argv:
+        if arg == PRINT_FLAG:
+            wanted = True
+        elif arg.partition("=")[0].strip() == PRINT_KEY:
+            value = parse_overrides([arg])[PRINT_KEY]
+            if not isinstance(value, bool):
+                raise ConfigError(f"{PRINT_KEY}={value!r} has the wrong type; it takes true or false")
+            wanted = wanted or value
+        else:
+            rest.append(arg)
+    return rest, wanted
+
+
+def check_early(argv: Sequence[str]) -> None:
+    """Compose and validate a new run's configuration from ``argv`` without the task list (which
+    needs dm_control); raises :class:`ConfigError` on the first problem. A key given twice is
+    refused for every command; a ``resume=`` command is otherwise checked against its checkpoint
+    later (its keys and limits differ), so it is left alone here."""
+    check_each_key_once(argv)
+    if "resume" not in parse_overrides(argv):
+        load_config(argv)
+
+
+def config_yaml(cfg: Any) -> str:
+    """The configuration as the YAML a run directory's ``config.yaml`` holds."""
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -3,9 +3,8 @@
 An evaluation is a pure function of the policy's weights and the evaluation environment's RNG
 state: ``(actor, critic trunk, env RNG) -> (returns, env RNG after)``. It draws nothing from the
 training process's RNG streams and changes nothing the updates read, so it can run beside them.
-On a CPU the update uses one core and software rendering is most of an evaluation's cost (about
-12 ms a 48x48 frame): a worker on the second core takes the evaluation episodes off the training
-loop's wall time.
+On a CPU the update uses one core and software rendering is most of an evaluation's cost: a
+worker on the second core takes the evaluation episodes off the training loop's wall time.
 
 The worker builds the same agent from the same configuration on the CPU, with the same precision
 policy, memory layout and thread count as the training process, and plays the episodes with the
@@ -32,9 +31,6 @@ import torch
 
 from pixelsac import lifeline
 from pixelsac.envs.vector import EnvWorkerError, ignore_parents_signals, receive_from
-
-#: the parts of the module :meth:`SACModule.act` reads
-ACTING_PARTS = ("actor", "critic.trunk")
 
 
 def acting_weights(module: Any) -> dict[str, dict[str, torch.Tensor]]:

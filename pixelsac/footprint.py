@@ -17,10 +17,9 @@ the bytes, before any worker process starts and before the run directory is writ
 * all of it together on the host (:func:`check_run_fits`, what the run's builder calls).
 
 The estimates are floors -- what must exist at once, not every buffer torch keeps -- so a run is
-refused only when it certainly cannot fit. The default DrQ agent in fp32 (84x84 pixels, batch
-512): networks 99.4 MiB (7.3M parameters), one update 1,448 MiB, against a measured tensor peak of
-1,791 MiB (docs/performance.md). Standard library only; the caller passes the parameters' size
-in bytes (the precision policy decides it).
+refused only when it certainly cannot fit (the default agent's estimate against its measured
+peak: docs/performance.md). Standard library only; the caller passes the parameters' size in
+bytes (the precision policy decides it).
 """
 
 from __future__ import annotations

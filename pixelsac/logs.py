@@ -72,6 +72,12 @@ class LoggersAfterRestore(L.Callback):
         trainer.loggers = [csv_logger, RunTensorBoardLogger(self.run_dir, name="tb", version="")]
 
 
+def log_metrics(trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
+    """``metrics`` to every logger of ``trainer`` at ``step`` (env frames)."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
 def rows_until(metrics: Path, frames: int) -> tuple[list[str], list[dict[str, str]]]:
     """The CSV log's header and its rows logged at env frames up to ``frames`` (later rows were
     never checkpointed: a resumed run logs them again)."""

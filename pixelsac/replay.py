@@ -528,9 +528,8 @@ class ReplaySet:
     slots, offset into the joint arrays, are gathered at once in ring order (on the rings'
     device, or into page-locked host memory with ``pin_memory``). The values are those of
     sampling each ring and concatenating, without a gather per ring and a copy of the whole
-    batch: the ops of one ring's batch whatever the number of rings (counted in a GPU's form, 7
-    kernels, where 4 rings sampled one by one took 33). ``device`` and ``pin_memory``: see
-    :class:`ReplayBuffer`.
+    batch: the ops of one ring's batch whatever the number of rings (docs/performance.md counts
+    them). ``device`` and ``pin_memory``: see :class:`ReplayBuffer`.
     """
 
     def __init__(

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pixelsac import cli, files, rundir, train_args
+from pixelsac import cli, files, rundir
 from pixelsac.config import INVOCATION_ONLY_KEYS, ConfigError, load_config, parse_overrides
 
 USAGE = __doc__
@@ -287,14 +287,14 @@ def _outcome(run: Any, say: Any) -> int:
 
 def _command(argv: list[str], as_program: bool = False) -> int:
     try:
-        argv, dry_run = train_args.split_print_config(argv)
-        train_args.check_early(argv)  # a mistyped key answers before dm_control and torch load
+        argv, dry_run = cli.split_print_config(argv)
+        cli.check_early(argv)  # a mistyped key answers before dm_control and torch load
         cfg, point = resolve_run(argv)
         if dry_run:
             from pixelsac.run import check_dry_run
 
             check_dry_run(cfg, fresh=point is None)
-            print(train_args.render(cfg), end="")
+            print(cli.config_yaml(cfg), end="")
             return 0
         if point is not None and point.finished(cfg.train.env_frames):
             rundir.tidy(Path(cfg.run_dir))
@@ -344,7 +344,7 @@ def lost_process(exc: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """The command line (``argv`` None: this process's arguments, and stop signals that come
     after the run ended are ignored until it exits -- see :mod:`pixelsac.stopping`)."""
-    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, lambda: train_args.usage(USAGE))
+    return cli.run_command(functools.partial(_command, as_program=argv is None), argv, lambda: cli.train_usage(USAGE))
 
 
 if __name__ == "__main__":

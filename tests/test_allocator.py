@@ -30,11 +30,11 @@ from pixelsac import allocator
 if sys.argv[1] == "direct":
     allocator.configure()
 else:
-    from pixelsac import entry
+    from pixelsac import cli
     sys.argv = ["pixelsac-" + sys.argv[1], "--help"]
     import contextlib, io
     with contextlib.redirect_stdout(io.StringIO()):
-        getattr(entry, sys.argv[0].removeprefix("pixelsac-"))()
+        getattr(cli, sys.argv[0].removeprefix("pixelsac-"))()
 
 class Info(ctypes.Structure):
     names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"

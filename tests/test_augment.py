@@ -196,7 +196,7 @@ def test_the_kornia_shift_is_a_few_kernels():
     """The map is built on a row and a column of coordinates per sample: 14 kernels a call from
     uint8, the offsets' draw included (kornia's translate took 56: an affine matrix per sample,
     normalised and inverted)."""
-    from pixelsac.perf.dispatch import DispatchCount
+    from pixelsac.perf.opcount import DispatchCount
 
     images = torch.randint(0, 256, (4, 9, 20, 20), dtype=torch.uint8)
     with DispatchCount() as count:

@@ -11,8 +11,8 @@ import torch
 from conftest import cli_env
 
 from pixelsac import bench, nets
-from pixelsac.benchmark import cells, report
-from pixelsac.benchmark import plan as plan_mod
+from pixelsac.bench import cells, report
+from pixelsac.bench import plan as plan_mod
 from pixelsac.config import load_config, to_plain
 from pixelsac.module import SACModule
 from pixelsac.precision import native_half_kernels

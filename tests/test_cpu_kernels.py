@@ -130,8 +130,8 @@ def test_native_bf16_agrees_with_the_emulation_within_one_ulp(layer):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_bench_rows_say_which_kernels_ran(cpu_with, native):
-    from pixelsac.benchmark.cells import _compute
-    from pixelsac.benchmark.plan import MODES
+    from pixelsac.bench.cells import _compute
+    from pixelsac.bench.plan import MODES
 
     cpu_with(*([torch.bfloat16] if native else []))
 

@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO, cli_env, run_cli
 
 from pixelsac import config_keys
+from pixelsac.cli import split_print_config
 from pixelsac.config import ConfigError
-from pixelsac.train_args import split_print_config
 
 
 def _scripts() -> dict[str, str]:
@@ -28,9 +28,9 @@ SCRIPTS = _scripts()
 
 def test_pyproject_declares_the_three_console_scripts():
     assert SCRIPTS == {
-        "pixelsac-train": "pixelsac.entry:train",
-        "pixelsac-evaluate": "pixelsac.entry:evaluate",
-        "pixelsac-bench": "pixelsac.entry:bench",
+        "pixelsac-train": "pixelsac.cli:train",
+        "pixelsac-evaluate": "pixelsac.cli:evaluate",
+        "pixelsac-bench": "pixelsac.cli:bench",
     }
 
 

@@ -24,7 +24,7 @@ from pixelsac import evaluate as ev
 from pixelsac import video
 from pixelsac.checkpoint import FORMAT_VERSION
 from pixelsac.collect import run_episodes
-from pixelsac.config import ConfigError
+from pixelsac.config import REPORT_SEED_OFFSET, ConfigError
 from pixelsac.envs import DMCEnv
 
 STEPS_PER_EPISODE = 64 // 8  # env.episode_frames / cartpole_swingup's action repeat
@@ -97,7 +97,7 @@ def test_cli_evaluates_fp16_run_on_cpu_with_agent_view_video(run16, tmp_path):
     assert results["lengths"] == [STEPS_PER_EPISODE] * 2
     assert results["mean"] == pytest.approx(np.mean(results["returns"]))
     assert results["std"] == pytest.approx(np.std(results["returns"]))
-    assert results["seed"] == 1 + ev.EVAL_SEED_OFFSET  # training seed 1, distinct eval stream
+    assert results["seed"] == 1 + REPORT_SEED_OFFSET  # training seed 1, distinct eval stream
     assert results["updates"] == 4 and results["env_frames"] in eval_frames(run16)
     assert results["wall_seconds"] > 0
 
@@ -514,7 +514,7 @@ def test_default_out_dirs_are_created_one_per_evaluation(tmp_path):
     same second could both choose it. Each is made exclusively, at once."""
     import datetime
 
-    from pixelsac.evaluation import default_out_dir
+    from pixelsac.evaluate import default_out_dir
 
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
     now = datetime.datetime(2026, 1, 2, 3, 4, 5)

@@ -17,7 +17,7 @@ from dispatch_count import DispatchCount
 from test_module import fit, make_batch, make_module
 from torch.utils.data import DataLoader
 
-from pixelsac.benchmark.plan import MODES
+from pixelsac.bench.plan import MODES
 from pixelsac.config import load_config
 from pixelsac.graphs import UpdateGraphs, graph_conflicts, updates_to_capture
 
@@ -47,7 +47,7 @@ SYNC_FREE = ["perf.sync_free=true", "perf.aug_backend=index", "lowp.growth_inter
 TEST_AGENT_K = 100
 #: What the graph checks cover: the modes a GPU run may capture, with either random-shift backend.
 #: Each comes after SYNC_FREE, so "perf.aug_backend=kornia" replaces its index shift; fp16-six is
-#: the benchmark's "the six as published" (pixelsac.benchmark.plan.MODES). fp16-splitk splits the
+#: the benchmark's "the six as published" (pixelsac.bench.plan.MODES). fp16-splitk splits the
 #: projection (a chunk below the test agent's K: the default chunk, 2,048, never splits it), as
 #: every fp16/bf16 GPU run does; fp16-compiled is the goals' compiled optimizer
 #: (perf.compile_optimizer), last, since triton compiles its step first on a GPU.

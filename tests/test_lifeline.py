@@ -119,7 +119,7 @@ def test_benchmark_cells_and_grid_runs_are_started_tied(tmp_path, monkeypatch):
     and a grid's training run (sent SIGTERM: it saves and the grid resumes it)."""
     from test_experiment import experiment
 
-    from pixelsac.benchmark import cells
+    from pixelsac.bench import cells
 
     calls = []
 

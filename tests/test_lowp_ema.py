@@ -393,7 +393,7 @@ def _growing_updates(ema: KahanEMA, source: nn.Module, between: Any = None) -> l
     """60 target updates, each counted (``DispatchCount``), of a source whose weights grow by 10%
     before each (past H/K = 1.64, where the adaptive scale moves, and past a fixed K's 6.55);
     ``between(step)`` runs before each update."""
-    from pixelsac.perf.dispatch import DispatchCount
+    from pixelsac.perf.opcount import DispatchCount
 
     counts = []
     for step in range(60):
@@ -508,7 +508,7 @@ def test_the_compiled_update_gives_the_flat_forms_bits_as_one_op(derived, one_bu
     expected = 1 + adaptive + (not one_buffer) + (not derived)  # op, norm, join, target copy
     assert last.kernels == expected, dict(last.ops)
     if derived:  # the target's division, one op (the eager form spreads the scales first: 6 kernels)
-        from pixelsac.perf.dispatch import DispatchCount
+        from pixelsac.perf.opcount import DispatchCount
 
         with DispatchCount(sites=False) as count:
             compiled_ema.target_parameters()

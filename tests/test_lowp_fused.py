@@ -232,7 +232,7 @@ def test_the_compiled_step_is_the_gradients_views_one_cat_and_one_op():
     """What the step dispatches: the gradients' views, one ``cat`` of the gradients and the step
     itself -- the parameters are views into the flat buffer the op updates in place, so nothing
     joins them or writes them back; inductor generated its kernels once."""
-    from pixelsac.perf.dispatch import DispatchCount
+    from pixelsac.perf.opcount import DispatchCount
 
     params, optimizer = run(True, kahan=True, capturable=True, steps=2, skip_at=-1)
     for param, grad in zip(params, gradients(params, torch.Generator().manual_seed(4))):
@@ -402,7 +402,7 @@ def test_a_metered_update_of_the_tiny_agent_runs_with_the_compiled_step():
     once failed inside torch.compile: the step's cached view of ``log_alpha`` had been made under
     no_grad from the leaf itself ("a view was created in no_grad mode ..."); the views are now
     made from a detached alias."""
-    from pixelsac.benchmark.plan import MODES
+    from pixelsac.bench.plan import MODES
     from pixelsac.config import load_config, to_plain
     from pixelsac.perf import synthetic_batch, time_updates
 

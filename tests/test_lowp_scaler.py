@@ -353,7 +353,7 @@ def test_the_sync_free_rescale_of_fp16_moments_is_one_multi_tensor_op_when_the_b
     the factor goes in the moments' dtype and CUDA's one-kernel route takes the list (the counter
     models it); with 0.3 it stays fp32, rounded once per product, and CUDA loops per tensor. The
     bits are the fp32 factor's either way (tested against it)."""
-    from pixelsac.perf.dispatch import DispatchCount
+    from pixelsac.perf.opcount import DispatchCount
 
     def run(state_factor: bool):
         torch.manual_seed(0)
@@ -392,7 +392,7 @@ def test_the_compiled_bookkeeping_is_the_eager_one_bit_for_bit(compiled_hadam, h
     overflowing gradients, a state overflow and growth checks along the way leave the scale, every
     count and record and the optimizer exactly as the eager bookkeeping does, and as the scaler
     that decides on the host (its own code: the reference for both); the bookkeeping is one op."""
-    from pixelsac.perf.dispatch import DispatchCount
+    from pixelsac.perf.opcount import DispatchCount
 
     def run(compiled: bool, sync_free: bool = True):
         torch.manual_seed(0)

@@ -9,7 +9,7 @@ foreach op that CUDA runs tensor by tensor counted per tensor; dtype casts; host
 settings: sync-free, hAdam on whole buckets (``HAdam.chunk_for("cuda")``), the finiteness checks
 in their foreach form, kornia's shift, no tensor-core emulation. The agent is DrQ's at small
 sizes: the counts depend on how many layers and parameter tensors there are, not on their sizes
-(test_opcount.py). The modes are the benchmark's (``pixelsac.benchmark.plan.MODES``); the
+(test_opcount.py). The modes are the benchmark's (``pixelsac.bench.plan.MODES``); the
 figures are docs/performance.md's.
 """
 
@@ -20,7 +20,7 @@ import torch
 from dispatch_count import DispatchCount
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from pixelsac.benchmark.plan import MODES
+from pixelsac.bench.plan import MODES
 from pixelsac.config import load_config, to_plain
 from pixelsac.lowp import HAdam
 from pixelsac.perf.opcount import count_update_ops
@@ -31,7 +31,7 @@ OBS_SHAPE, ACTION_DIM = (9, 84, 84), 1  # cartpole's: the counts shrink the imag
 #: critic-only update, each the measured figure at most (docs/performance.md); no mode reads the
 #: host. Kernels: the GPU launches the counter estimates (views, allocations and the profiler's
 #: markers left out, a foreach op CUDA runs tensor by tensor counted per tensor:
-#: pixelsac/perf/dispatch.py).
+#: pixelsac/perf/opcount.py).
 BUDGETS = {
     "fp32": {"full": (540, 325, 6), "critic-only": (300, 175, 6)},
     "fp16": {"full": (1216, 847, 75), "critic-only": (550, 362, 39)},

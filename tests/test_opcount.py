@@ -1,5 +1,5 @@
-"""The benchmark's dispatch counts (pixelsac/perf/dispatch.py, pixelsac/perf/opcount.py): what a
-cast is, the GPU's form of the counted update, and counts that do not depend on sizes."""
+"""The benchmark's dispatch counts (pixelsac/perf/opcount.py): what a cast is, the GPU's form of
+the counted update, and counts that do not depend on sizes."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import pixelsac.perf.opcount as opcount
-from pixelsac.benchmark.plan import MODES
+from pixelsac.bench.plan import MODES
 from pixelsac.config import load_config, to_plain
-from pixelsac.perf.dispatch import DispatchCount, is_host_read
+from pixelsac.perf.opcount import DispatchCount, is_host_read
 
 
 def test_a_cast_converts_dtypes_and_nothing_else_is_one():
@@ -138,7 +138,7 @@ def test_on_a_gpu_the_foreach_route_model_is_what_cuda_launches():
     """The model the kernel estimate rests on, against the profiler: a foreach op over 8 tensors
     takes one launch where ATen's fast route takes it and 8 where it does not (an fp32 factor
     for fp16 tensors, a list of 0-dim scales)."""
-    from pixelsac.perf.dispatch import cuda_foreach_launches
+    from pixelsac.perf.opcount import cuda_foreach_launches
 
     device = torch.device("cuda")
     half = [torch.ones(1000 + i, dtype=torch.float16, device=device) for i in range(8)]
@@ -160,7 +160,7 @@ def test_on_a_gpu_the_foreach_route_model_is_what_cuda_launches():
 def test_on_a_gpu_the_kernel_estimate_of_an_update_is_near_what_it_launches(capsys):
     """A full fp16 update of the counted agent on CUDA: the estimate against the profiler's count
     (cuDNN and cuBLAS may launch more than one kernel for an op; the figures are printed)."""
-    from pixelsac.perf.dispatch import DispatchCount
+    from pixelsac.perf.opcount import DispatchCount
 
     seen: list[tuple[int, int]] = []
 

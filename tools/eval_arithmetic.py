@@ -5,7 +5,7 @@ weights widened exactly to fp32 and float64, on the same episodes, compared epis
         --out docs/results/full_size_cpu/eval_arithmetic/fp16_s1_40k
 
 Each arm is ``pixelsac-evaluate checkpoint=CKPT prefer=last video=false episodes=N arithmetic=A``
-(pixelsac.evaluation.evaluate, in this process) with the same episode seed, so episode i starts from
+(pixelsac.evaluate.evaluate, in this process) with the same episode seed, so episode i starts from
 the same state in every arm and only the policy's arithmetic differs. Per episode
 d = return(trained) - return(fp64) (and fp32 - fp64); the reading (docs/results/full_size_cpu/decision.md):
 acting in the trained arithmetic **costs return** when the 95% t-interval of mean d lies below 0,
@@ -36,7 +36,7 @@ from verdict import paired_verdict  # noqa: E402
 
 from pixelsac.checkpoint import CheckpointError  # noqa: E402
 from pixelsac.config import ConfigError  # noqa: E402
-from pixelsac.evaluation import EvalOptions, evaluate  # noqa: E402
+from pixelsac.evaluate import EvalOptions, evaluate  # noqa: E402
 
 ARMS = ("trained", "fp32", "fp64")
 #: the band of "does not cost return", a fraction of float64's mean return

@@ -45,16 +45,15 @@ update where it happened.
 One buffer per kind (beyond the paper). The per-parameter scales ``K_i`` multiply
 each tensor by its own 0-dim device value, and CUDA runs a foreach op over such a list tensor by
 tensor (its multi-tensor kernel needs the operands of one shape): ~4 kernels per parameter per
-update, 96 for DrQ's critic. So where the parameters share a dtype and a device, ``θ̄_S`` and ``c``
+update. So where the parameters share a dtype and a device, ``θ̄_S`` and ``c``
 are views into one flat buffer each, in the parameters' memory order (the ``state_dict`` keys
 and values are unchanged); the source is joined once, or read in place when it already lies in
 one buffer in this order (hAdam's compiled step keeps it so); and an update is a handful of
 whole-buffer ops with the scales spread over the elements (``repeat_interleave``: a float32 value
 per element while a pass runs, so a CPU takes the buffers in cache-sized passes, ``chunk_numel``,
 and a GPU whole): the same products, each rounded once, as CUDA's per-tensor
-form rounds them. (On a CPU the per-tensor form multiplied by τ rounded to fp16 -- torch's
-in-place foreach rounds a Python scalar to the tensors' dtype there, 0.005 to 0.0050011 -- and
-now multiplies out of place by the float32 τ, as the flat form and CUDA do.)
+form rounds them, τ in float32 on every device (torch's in-place foreach on a CPU would round a
+Python scalar to the tensors' dtype, 0.005 to 0.0050011).
 
 Compiled (``compiled=True``, the policy's ``perf.compile_optimizer``): the flat update runs as
 one op whose kernels ``torch.compile`` generates (``fused_target.py``), after one foreach norm of

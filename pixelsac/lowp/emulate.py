@@ -1,8 +1,8 @@
 """Tensor-core semantics on a CPU: fp16/bf16 convolutions and matmuls with fp32 accumulation.
 
 On a GPU, an fp16 convolution or matmul reads fp16 inputs, accumulates in fp32 and writes an
-fp16 output. A CPU without native half kernels instead runs them ~10x slower than fp32
-(measured: DrQ conv stack, batch 32, 502 ms native fp16 vs 36 ms this way). Inside
+fp16 output. A CPU without native half kernels instead runs them many times slower than fp32
+(docs/performance.md). Inside
 :func:`fp32_accumulate`, those ops upcast their fp16/bf16 inputs to fp32, run the fp32 kernel
 and round the output back once. Everything else (elementwise ops, reductions, optimizers)
 is untouched and stays genuinely low precision.

@@ -1,9 +1,8 @@
 """Is every element of a tensor finite? One reduction pass instead of three.
 
 ``torch.isfinite(t).all()`` builds a bool tensor from ``t == t`` and ``|t| != inf`` and then
-reduces it: on a CPU, 4.3 ms for a million fp16 gradients, where a min-max reduction takes
-0.2 ms. The loss scaler asks this of every gradient at every step, and Kahan-momentum and hAdam
-of their state, so the checks were a few per cent of a small update.
+reduces it: on a CPU, many times a min-max reduction's time (docs/performance.md). The loss
+scaler asks this of every gradient at every step, and Kahan-momentum and hAdam of their state.
 
 :func:`all_finite` reads ``(lo, hi) = aminmax(t)`` instead. NaN propagates through both, and
 an infinity is the minimum or the maximum, so ``-max <= lo and hi <= max`` (``max`` the dtype's
@@ -49,9 +48,8 @@ def all_finite(tensor: torch.Tensor, factor: float | None = None) -> torch.Tenso
 
 def foreach_by_default(device: torch.device) -> bool:
     """Whether :func:`all_finite_many` takes the foreach form unless told: off the CPU, where a
-    launch per tensor costs more than the passes (on a CPU the foreach form took 70-90 ms
-    against 4-7 ms per tensor for the DrQ critic's 4.2M fp16 gradients, one thread), unless
-    :func:`foreach_checks` says otherwise."""
+    launch per tensor costs more than the passes (on a CPU the foreach form is the slower one:
+    docs/performance.md), unless :func:`foreach_checks` says otherwise."""
     if _forced_form:
         return _forced_form[-1]
     return device.type != "cpu"

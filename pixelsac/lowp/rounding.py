@@ -50,7 +50,7 @@ _FP16_SMALLEST_NORMAL = 2.0**-14
 def _lowbias32_(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash of an int32 tensor, in place (int32 multiplication wraps); the
     masks make ``>>`` a logical shift. In-place ops: the hash is most of stochastic rounding's
-    cost, and temporaries per op made it ~3x slower on a CPU."""
+    cost, and temporaries per op made it several times slower on a CPU."""
     shifted = torch.bitwise_right_shift(x, 16).bitwise_and_(0xFFFF)
     x.bitwise_xor_(shifted).mul_(_MUL_A)
     torch.bitwise_right_shift(x, 15, out=shifted).bitwise_and_(0x1FFFF)

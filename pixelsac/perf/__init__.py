@@ -8,10 +8,9 @@ One job per file:
 * :mod:`pixelsac.perf.calibration` -- :func:`time_updates`: a fresh agent's real update step
   timed on one batch (the start-up fp32 reference and ``python -m pixelsac.bench``);
   :func:`metered_updates`: each update of a fresh agent inside a meter (the op and FLOP counts).
-* :mod:`pixelsac.perf.dispatch` -- :class:`DispatchCount`: the aten ops, dtype casts and host
-  reads that reach torch's dispatcher.
-* :mod:`pixelsac.perf.opcount` -- :func:`count_update_ops`: an update counted in the form a GPU
-  runs it, on any device (the benchmark's op, cast and host-read columns).
+* :mod:`pixelsac.perf.opcount` -- :class:`DispatchCount`: the aten ops, dtype casts and host
+  reads that reach torch's dispatcher; :func:`count_update_ops`: an update counted with it in
+  the form a GPU runs it, on any device (the benchmark's op, cast and host-read columns).
 * :mod:`pixelsac.perf.flops` -- :func:`count_update_flops`: an update's convolution and matmul
   FLOPs at any batch (the benchmark's GFLOP and achieved-TFLOP/s columns).
 * :mod:`pixelsac.perf.tracker` -- :class:`PerfTracker`, the run's callback: throughput, ms and
@@ -33,7 +32,6 @@ from pixelsac.perf.calibration import (
     synthetic_batch,
     time_updates,
 )
-from pixelsac.perf.dispatch import DispatchCount
 from pixelsac.perf.flops import UpdateFlops, count_update_flops
 from pixelsac.perf.meters import (
     MIB,
@@ -52,7 +50,7 @@ from pixelsac.perf.meters import (
     speedup,
     state_groups,
 )
-from pixelsac.perf.opcount import UpdateCounts, count_update_ops
+from pixelsac.perf.opcount import DispatchCount, UpdateCounts, count_update_ops
 from pixelsac.perf.summary import (
     MEMORY_FIGURES,
     build_summary,

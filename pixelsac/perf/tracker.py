@@ -18,6 +18,7 @@ import lightning as L
 import torch
 
 from pixelsac.graphs import update_cycle
+from pixelsac.logs import log_metrics
 from pixelsac.lowp import reset_split_k_paths
 from pixelsac.perf import meters
 from pixelsac.perf.calibration import (
@@ -49,11 +50,6 @@ def _optimizers_have_state(optimizers: list[torch.optim.Optimizer]) -> bool:
     """Optimizer state is created at the first step actually taken (a skipped step creates none);
     state bytes are reported once it exists for every parameter."""
     return all(opt.state.get(p) for opt in optimizers for group in opt.param_groups for p in group["params"])
-
-
-def _log(trainer: L.Trainer, metrics: dict[str, float], step: int) -> None:
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
 
 
 class PerfTracker(UpdateTimer):
@@ -179,7 +175,7 @@ class PerfTracker(UpdateTimer):
                 row["perf/fp32_peak_cuda_allocated_mib"] = self.fp32.peak_bytes / MIB
             if self.fp32.saved is not None:
                 row["perf/fp32_saved_for_backward_bytes"] = self.fp32.saved["activations"]
-            _log(trainer, {**row, **self._counters(pl_module)}, step=frames)
+            log_metrics(trainer, {**row, **self._counters(pl_module)}, step=frames)
             print(
                 f"perf: fp32 reference {self.fp32.ms_per_update:.1f} ms/update (batch {self.batch_size}, "
                 f"{self.fp32.describe()}, {self.fp32.seconds:.1f} s), state {_fmt_bytes(self.fp32.state['total'])}"
@@ -213,7 +209,7 @@ class PerfTracker(UpdateTimer):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if pl_module.updates % self.log_every == 0 and pl_module.updates != self._last_logged:
             self._last_logged = pl_module.updates
-            _log(
+            log_metrics(
                 trainer,
                 {**self.interval_metrics(trainer, pl_module), **self._counters(pl_module)},
                 step=self._env_frames(),

@@ -23,17 +23,15 @@ the update's FLOPs with the rate the cell's time sustains (``pixelsac/perf/flops
 Results go to ``bench.out`` as bench.csv,
 bench.md (which says what each memory figure counts), bench.json and bench.png.
 
-Time: a CPU cell starts in ~10 s and then takes (warm-up + updates) x the update time. On the
-project's 2-core CPU the full DrQ agent's update takes ~0.9-1 s at batch 128 and ~3.5-4 s at
-batch 512 (fp32 or emulated fp16; several times that while other jobs share the cores), so
-``bench.modes=fp32,fp16`` with the defaults takes ~30-40 s at batch 128 and ~1.5 minutes at 512;
+Time: a CPU cell starts in ~10 s and then takes (warm-up + updates) x the update time (the full
+DrQ agent's update: about a second at batch 128 on two cores, four times that at 512);
 ``bench.emulation_saves=both`` adds a cell and an interleaved run per emulated mode. On a CPU the
 benchmark prints each cell's expected time before the first one starts. A CPU without native
 fp16 kernels runs ``amp`` (fp16 autocast) and ``fp16-native`` on torch's reference fp16 kernels,
-~80x fp32's time (``amp`` at batch 512: 85 s an update): there they run only when
-``bench.modes`` names them. ``amp`` stays fp16 autocast with one GradScaler per optimizer on a
-CPU too -- the paper's mixed-precision baseline, not torch's CPU default (bf16) -- so that its
-rows mean the same on every device; the ``bf16`` rows are a CPU's bf16.
+tens of times fp32's time: there they run only when ``bench.modes`` names them. ``amp`` stays
+fp16 autocast with one GradScaler per optimizer on a CPU too -- the paper's mixed-precision
+baseline, not torch's CPU default (bf16) -- so that its rows mean the same on every device; the
+``bf16`` rows are a CPU's bf16.
 
 Arguments are ``key=value``. Keys other than ``bench.*`` are the training configuration's
 (``conf/config.yaml``: ``agent.*``, ``env.*``, ``lowp.*``, ``task``, ``seed``, ...); each mode
@@ -43,18 +41,15 @@ keys are not used: the benchmark runs one device (``bench.device``).
 
 from __future__ import annotations
 
-import os
-import sys
-
 from pixelsac import cli
-from pixelsac.benchmark.plan import OPTIONS_USAGE
+from pixelsac.bench.plan import OPTIONS_USAGE
 
 USAGE = (__doc__ or "") + OPTIONS_USAGE
 
 
 def _command(argv: list[str]) -> int:
-    from pixelsac.benchmark.cells import apply_threads, cell_main, run_plan
-    from pixelsac.benchmark.plan import make_plan
+    from pixelsac.bench.cells import apply_threads, cell_main, run_plan
+    from pixelsac.bench.plan import make_plan
 
     if argv[:1] == ["--cell"] and len(argv) == 2:  # a fresh process measuring one cell
         return cell_main(argv[1])
@@ -67,13 +62,3 @@ def _command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run_command(_command, argv, USAGE)
-
-
-if __name__ == "__main__":
-    from pixelsac import allocator
-
-    # The benchmark renders nothing; without this, importing dm_control (for the task's shapes)
-    # loads the OpenGL library MUJOCO_GL names, which a GPU box without display libraries lacks.
-    os.environ["MUJOCO_GL"] = "disable"
-    allocator.configure()  # glibc malloc keeps large freed buffers, as under make (pixelsac/allocator.py)
-    sys.exit(main())

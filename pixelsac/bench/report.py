@@ -13,7 +13,7 @@ from typing import Any
 
 from pixelsac import files
 from pixelsac.allocator import describe as malloc_settings
-from pixelsac.benchmark.plan import Plan
+from pixelsac.bench.plan import Plan
 
 
 # --- ratios and reports ----------------------------------------------------------------------
@@ -199,7 +199,7 @@ def _dispatch_table(rows: list[dict[str, Any]]) -> list[str]:
         "sizes, which change no count; sync-free unless the cell says host_sync, no CPU emulation, CUDA's "
         "default shift; pixelsac/perf/opcount.py): aten ops (views included), kernels (an estimate of the "
         "GPU's launches: views, allocations and profiler markers left out, a foreach op that CUDA runs "
-        "tensor by tensor counted per tensor, pixelsac/perf/dispatch.py), dtype casts (ops that only convert), "
+        "tensor by tensor counted per tensor), dtype casts (ops that only convert), "
         "host reads (device-to-host synchronisations); full update (critic, actor, temperature, target) / critic-only:",
         "",
         "| mode | variant | batch | aten ops | ops × fp32 (full) | kernels | kernels × fp32 (full) | casts "

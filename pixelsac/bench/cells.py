@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pixelsac import lifeline
-from pixelsac.benchmark.plan import (
+from pixelsac.bench.plan import (
     CELL_START_SECONDS,
     CPU_GFLOPS_PER_THREAD,
     MODES,
@@ -24,7 +24,7 @@ from pixelsac.benchmark.plan import (
     Plan,
     expected_seconds,
 )
-from pixelsac.benchmark.report import _cpu_statement, _fmt, _header, _mib, add_ratios, markdown, write_outputs
+from pixelsac.bench.report import _cpu_statement, _fmt, _header, _mib, add_ratios, markdown, write_outputs
 from pixelsac.config import load_config, to_plain
 
 _CELL_MARK = "PIXELSAC_BENCH_ROW "
@@ -170,7 +170,7 @@ def _label(spec: CellSpec) -> str:
 
 
 def expected_lines(plan: Plan, counted: dict[str, Any]) -> list[str]:
-    """On a CPU, each cell's expected time (:func:`pixelsac.benchmark.plan.expected_seconds`) and
+    """On a CPU, each cell's expected time (:func:`pixelsac.bench.plan.expected_seconds`) and
     the total, before any cell runs; nothing on a GPU."""
     if plan.device != "cpu" or not plan.cells:
         return []
