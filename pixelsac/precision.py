@@ -111,11 +111,9 @@ def native_half_training(dtype: torch.dtype) -> str | None:
     Training needs the backward kernels too, and the two half types differ there. bf16 has them
     wherever :func:`native_half_kernels` finds kernels. fp16 does not: torch's CPU fp16
     convolutions run oneDNN forward and input-gradient kernels, but their weight and bias
-    gradients fall back to reference loops. Measured with torch 2.13 on an Intel Sapphire Rapids
-    core (``avx512_fp16``, ``amx_bf16``), the DrQ trunk's 32→32 3×3 convolution at batch 64: weight
-    gradient 4,940 ms in fp16 against 19 ms in fp32 and the input gradient 27 ms in both; the
-    whole update 28.8 s against 0.35 s. So fp16 is emulated (``lowp.fp32_accumulate``) on every
-    CPU unless a run forces native kernels.
+    gradients fall back to reference loops, hundreds of times slower than fp32's (measured:
+    docs/performance.md). So fp16 is emulated (``lowp.fp32_accumulate``) on every CPU unless a
+    run forces native kernels.
     """
     if dtype == torch.float16:
         return None

@@ -75,11 +75,9 @@ with inductor's ``emulate_precision_casts``, which rounds at every cast.
 
 **Cost.** Compiling takes seconds, at the first step of each form (Kahan or not, a skip flag or
 not, dtype). On a CPU the compiled step is slower than the eager one: the per-parameter values an
-element reads through its index keep inductor's CPU loops from vectorising (one thread, 3.1M fp16
-parameters: ~62 ms eager, ~125-135 ms compiled; without the gathers the same loop took ~21 ms).
-A form with a loop per parameter vectorised (~40 ms), but unrolling DrQ's 24 critic tensors
-took minutes to compile; it was left out. On a GPU, where a small table sits in cache, the
-gathers should cost little; that is not measured.
+element reads through its index keep inductor's CPU loops from vectorising (measurements:
+docs/performance.md, "hAdam compiled"). On a GPU, where a small table sits in cache, the gathers
+should cost little.
 """
 
 from __future__ import annotations

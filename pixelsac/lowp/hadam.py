@@ -160,9 +160,8 @@ class HAdam(Float32Step, Optimizer):
 
     The float32 step keeps a bucket's parameters (their ``.data``) and each state tensor as views
     into one flat buffer per name (:meth:`_flat_state`), so a step reads and writes them whole or
-    in slices: no ``cat`` but of the gradients, no copy back. A sync-free step of one bucket with
-    ``chunk_numel=None`` dispatches at most ``130 + 2.5·n`` aten ops for ``n`` parameters
-    (tests/test_op_budget.py).
+    in slices: no ``cat`` but of the gradients, no copy back (its op budget:
+    tests/test_op_budget.py).
 
     Two numerical guards beyond the formulas: the denominators ``M + ε`` and ``denom`` are
     floored at the dtype's smallest positive number. They only act when the value is exactly
