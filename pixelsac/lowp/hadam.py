@@ -210,7 +210,7 @@ class HAdam(Float32Step, Optimizer):
         # Set by every step: a 0-dim bool tensor, True when a new root moment or denominator
         # would not be finite and the step was therefore not applied.
         self.state_overflow = torch.zeros((), dtype=torch.bool)
-        self._ones: dict[tuple, torch.Tensor] = {}  # see _backoff_factor
+        self._ones: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _backoff_factor
         for group in self.param_groups:  # the float32 step's parameters into flat buffers now (_flat_params)
             if group["unbiased_moments"]:
                 buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -484,8 +484,9 @@ class HAdam(Float32Step, Optimizer):
             dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
             if not (dtype.is_floating_point and _exact_in(backoff, dtype)):
                 dtype = torch.float32
-            self._ones[key] = torch.ones((), dtype=dtype, device=taken.device)
-        return torch.where(taken, self._ones[key], backoff)
+            one = torch.ones((), dtype=dtype, device=taken.device)
+            self._ones[key] = (one, torch.full_like(one, backoff))
+        return torch.where(taken, *self._ones[key])  # (two tensors: one op)
 
     @torch.no_grad()
     def state_is_finite_after(self, factor: float) -> bool:
