@@ -16,8 +16,10 @@ the target update -- gets its own graph, captured after ``warmup_updates`` eager
 kind (real updates, on a side stream, as capture requires: lazily created state and library
 workspaces exist before recording). The graphs share one memory pool; everything that must live
 between replays (weights, optimizer state, loss scales, skip counts, the losses handed to logging)
-is allocated outside it. Host bookkeeping that a replay cannot do -- counting loss-scaler steps
-and, once per ``growth_interval``, the growth check -- runs after each replay.
+is allocated outside it. Under capture the update leaves out what a replay cannot do: Lightning's
+optimizer wrappers and hooks (the module steps the torch optimizers itself) and the loss
+scalers' host half -- counting steps and, once per ``growth_interval``, the growth check --
+which runs after each replay.
 """
 
 from __future__ import annotations
@@ -125,8 +127,7 @@ class UpdateGraphs:
     """Runs a :class:`~pixelsac.module.SACModule`'s updates as replays of captured graphs.
 
     Args:
-        module: the module whose ``update(batch, with_actor, with_target, graph_safe=True)`` is
-            recorded.
+        module: the module whose ``update(batch, with_actor, with_target)`` is recorded.
         warmup_updates: eager updates of each kind before its graph is captured.
         runner: what records and replays (``GraphRunner`` on a GPU; tests pass a stand-in).
     """
@@ -190,7 +191,7 @@ class UpdateGraphs:
             return None
 
     def _recorded_update(self, kind: tuple[bool, bool]) -> None:
-        metrics = self.module.update(self.static_batch, *kind, graph_safe=True)
+        metrics = self.module.update(self.static_batch, *kind)
         for key, value in metrics.items():
             self.outputs[kind][key].copy_(value)
 

@@ -118,9 +118,9 @@ class SACModule(L.LightningModule):
         self.target_entropy = -float(self.action_dim)
         self.scalers: dict[str, Any] = {}
         self.updates = 0  # gradient updates attempted (critic steps, taken or skipped)
-        self._skipped_host = dict.fromkeys(LOSSES, 0)
+        self._skipped_at_load = dict.fromkeys(LOSSES, 0)  # the checkpoint's count, if resumed
         self._skips_reported = dict.fromkeys(LOSSES, 0)  # skips already explained in the log
-        # skips decided on the device, summed there; read (a sync) only when someone asks
+        # skips since, decided on the device and summed there; read (a sync) only when someone asks
         self._skipped_device: dict[str, torch.Tensor] = {}
         self.metrics: dict[str, torch.Tensor] = {}
         self._actor_metrics: dict[str, torch.Tensor] = {}
@@ -188,8 +188,8 @@ class SACModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("pixelsac", {})
         self.updates = int(state.get("updates", 0))
-        self._skipped_host.update(state.get("skipped", {}))
-        self._skips_reported = dict(self._skipped_host)
+        self._skipped_at_load.update(state.get("skipped", {}))
+        self._skips_reported = dict(self._skipped_at_load)
         self._skipped_device = {}
         self._pending_scaler_states = state.get("scalers", {})
 
@@ -344,35 +344,35 @@ class SACModule(L.LightningModule):
             return None
         return lambda flag: torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # returns None
 
-    def _step(self, name: str, loss: torch.Tensor, optimizer: torch.optim.Optimizer, graph_safe: bool = False) -> None:
-        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning wraps the torch optimizer
-        if graph_safe:  # no Lightning hooks or wrappers: their Python would run at capture only
-            optimizer = raw
-        # Gradients for this optimizer's parameters only: the actor's loss reads the critic's
-        # heads, and a plain backward would also compute (and, in fp32 Q, cast back) every one of
-        # their weight gradients, which the critic's next step discards unread.
-        inputs = [p for group in raw.param_groups for p in group["params"] if p.requires_grad]
-        if graph_safe:
-            backward = lambda tensor: tensor.backward(inputs=inputs)  # noqa: E731
+    def _step(self, name: str, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """Backward ``loss`` and step ``optimizer`` through the loss's scaler, which skips the
+        step where it overflows (``lowp/scaler.py``: the one place that decides); the skip is
+        counted on the device."""
+        if lowp.graph_capturing():  # a CUDA graph records the update (graphs.py):
+            # no Lightning wrappers or hooks, whose Python would run at capture only
+            optimizer, backward = getattr(optimizer, "optimizer", optimizer), torch.Tensor.backward
         else:
-            backward = lambda tensor: self.manual_backward(tensor, inputs=inputs)  # noqa: E731
-        taken = self.precision_policy.backward_and_step(
-            loss, optimizer, self.scalers.get(name), backward, self._reduce_found_inf(), graph_safe=graph_safe
-        )
-        if isinstance(taken, torch.Tensor):
-            if name in self._skipped_device:
-                self._skipped_device[name].add_(~taken)  # the bool adds as 0/1: no cast of its own
-            else:
-                self._skipped_device[name] = (~taken).to(torch.int64)
-        elif not taken:
-            self._skipped_host[name] += 1
+            backward = self.manual_backward
+        scaler = self.scalers.get(name)
+        if scaler is None:  # no loss scaling: nothing to check
+            optimizer.zero_grad(set_to_none=True)
+            # this optimizer's gradients only: the actor's loss reads the critic's heads, whose
+            # gradients the critic's next step would discard unread
+            backward(loss, inputs=[p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
+            optimizer.step()
+            return
+        taken = scaler.step(optimizer, loss, backward, self._reduce_found_inf())
+        if name in self._skipped_device:
+            self._skipped_device[name].add_(~taken)  # the bool adds as 0/1: no cast of its own
+        else:
+            self._skipped_device[name] = (~taken).to(torch.int64)
 
     @property
     def skipped(self) -> dict[str, int]:
         """Optimizer steps skipped on overflow, per loss (device-side counts: one sync for all)."""
         names = list(self._skipped_device)
         on_device = dict(zip(names, torch.stack([self._skipped_device[n] for n in names]).tolist())) if names else {}
-        return {name: count + on_device.get(name, 0) for name, count in self._skipped_host.items()}
+        return {name: count + on_device.get(name, 0) for name, count in self._skipped_at_load.items()}
 
     def training_step(self, dataloader_iter: Iterator) -> None:
         """One update. Taking the iterator (rather than a batch) turns off Lightning's one-batch
@@ -398,12 +398,10 @@ class SACModule(L.LightningModule):
             self.metrics = metrics  # read (and synchronised) by the logging callback
             self.check_health(metrics)
 
-    def update(
-        self, batch: dict[str, torch.Tensor], with_actor: bool, with_target: bool, graph_safe: bool = False
-    ) -> dict[str, torch.Tensor]:
+    def update(self, batch: dict[str, torch.Tensor], with_actor: bool, with_target: bool) -> dict[str, torch.Tensor]:
         """The critic step, then the actor and temperature steps and the target update when due;
-        returns the losses as tensors. ``graph_safe``: raw torch optimizers and backward, no host
-        bookkeeping (see :mod:`pixelsac.graphs`)."""
+        returns the losses as tensors. Nothing in it waits for the host where the run is
+        sync-free, so :mod:`pixelsac.graphs` can record it."""
         agent = self.cfg.agent
         cast, observe = self.precision_policy.cast_input, self.precision_policy.cast_observation
         # shifted as uint8 frames and cast after: the same values, a quarter of the bytes to move
@@ -414,13 +412,13 @@ class SACModule(L.LightningModule):
 
         with self.precision_policy.compute_context():
             critic_loss, metrics = self.critic_loss(obs_aug, action, reward, not_terminal, next_aug)
-        self._step("critic", critic_loss, critic_opt, graph_safe)
+        self._step("critic", critic_loss, critic_opt)
 
         if with_actor:
             with self.precision_policy.compute_context():
                 actor_loss, alpha_loss, actor_metrics = self.actor_and_alpha_loss(obs_aug[: action.shape[0]])
-            self._step("actor", actor_loss, actor_opt, graph_safe)
-            self._step("alpha", alpha_loss, alpha_opt, graph_safe)
+            self._step("actor", actor_loss, actor_opt)
+            self._step("alpha", alpha_loss, alpha_opt)
             metrics.update(actor_metrics)
 
         if with_target:

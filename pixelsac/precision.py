@@ -39,11 +39,12 @@ displacement ÷ float64 1.000 ± 0.012 against Kahan's ± 0.004; in bf16 ± 0.07
 bf16 keeps the buffer).
 
 ``perf.sync_free`` (default: on for CUDA) keeps every decision of an update on the device: hAdam
-capturable with device-side skips and loss scales (fp16 + six, bf16), fused torch Adam (fp32,
-AMP, where GradScaler then needs no host read either) with its step count on the device, the
-target's ``K·θ`` check deferred to the health check. fp32 on CUDA runs fused Adam either way, so
-the switch changes where its step count is read, not its kernels. A step whose fp16 switches
-leave torch Adam or KahanAdam under compound loss scaling (the no-hAdam ablation) still decides
+capturable (its step counts on the device, so the loss scaler tells it to skip there; fp16 + six,
+bf16), fused torch Adam (fp32, AMP, where GradScaler then needs no host read either) with its
+step count on the device, the target's ``K·θ`` check deferred to the health check. fp32 on CUDA
+runs fused Adam either way, so the switch changes where its step count is read, not its kernels.
+The loss scaler decides on the device either way; an optimizer that counts on the host (hAdam
+with the switch off, or torch Adam or KahanAdam in the no-hAdam ablation) has the decision read
 on the host. On a CPU, ``lowp.fp32_accumulate`` (on by default there) runs
 convolutions and matmuls with fp32 accumulation and rounds their outputs to fp16 -- what GPU
 tensor cores do -- because this CPU's native fp16 kernels are 5-14x slower than fp32. Storage and
@@ -73,7 +74,7 @@ _MODE_DEFAULTS = {
     "amp": dict.fromkeys(SIX, False),
 }
 
-Scaler = Any  # lowp.CompoundLossScaler | torch.amp.GradScaler | None
+Scaler = Any  # lowp.CompoundLossScaler | AmpScaler | None
 
 #: Update speed against fp32 on a CPU, as measured with ``python -m pixelsac.bench`` (DrQ update,
 #: batch 128, docs/performance.md): native bf16 kernels on AMD Zen 4 (avx512_bf16); the
@@ -110,11 +111,9 @@ def native_half_training(dtype: torch.dtype) -> str | None:
     Training needs the backward kernels too, and the two half types differ there. bf16 has them
     wherever :func:`native_half_kernels` finds kernels. fp16 does not: torch's CPU fp16
     convolutions run oneDNN forward and input-gradient kernels, but their weight and bias
-    gradients fall back to reference loops. Measured with torch 2.13 on an Intel Sapphire Rapids
-    core (``avx512_fp16``, ``amx_bf16``), the DrQ trunk's 32→32 3×3 convolution at batch 64: weight
-    gradient 4,940 ms in fp16 against 19 ms in fp32 and the input gradient 27 ms in both; the
-    whole update 28.8 s against 0.35 s. So fp16 is emulated (``lowp.fp32_accumulate``) on every
-    CPU unless a run forces native kernels.
+    gradients fall back to reference loops, hundreds of times slower than fp32's (measured:
+    docs/performance.md). So fp16 is emulated (``lowp.fp32_accumulate``) on every CPU unless a
+    run forces native kernels.
     """
     if dtype == torch.float16:
         return None
@@ -138,6 +137,59 @@ class NumericalFailure(RuntimeError):
         where = f" at env frame {self.env_frames}" if self.env_frames is not None else ""
         saved = f"; last good checkpoint: {self.checkpoint}" if self.checkpoint else "; no good checkpoint was written"
         return f"{self.args[0]}{where}{saved}"
+
+
+class AmpScaler:
+    """AMP's loss scaling behind the compound scaler's one step (``lowp.CompoundLossScaler.step``):
+    torch's GradScaler unscales the gradients in fp32 and skips the step on inf.
+
+    Fused Adam (``perf.sync_free``) is handed GradScaler's inf flag and skips on the device;
+    otherwise ``GradScaler.step`` reads it on the host.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        self.grad_scaler = torch.amp.GradScaler(device_type)
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        loss: torch.Tensor,
+        backward: Callable[..., Any] | None = None,
+        reduce_found_inf: Callable[[torch.Tensor], Any] | None = None,
+    ) -> torch.Tensor:
+        """Backward ``loss·S`` into the optimizer's parameters (through ``backward(tensor,
+        inputs=...)``), unscale, step unless a gradient is not finite, update ``S``. Returns the
+        0-dim bool "the step was taken" (GradScaler's per-device flags, summed on the device).
+        ``reduce_found_inf`` is not used: GradScaler keeps its flags to itself."""
+        scaler = self.grad_scaler
+        optimizer.zero_grad(set_to_none=True)
+        inputs = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        (backward or torch.Tensor.backward)(scaler.scale(loss), inputs=inputs)
+        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning wraps the torch optimizer
+        if getattr(raw, "_step_supports_amp_scaling", False):
+            # Fused Adam skips on the device when handed the flag. Set on the torch optimizer
+            # itself (GradScaler would set it on Lightning's wrapper, where Adam never looks) and
+            # stepped through the wrapper, so Lightning still counts the step.
+            scaler.unscale_(optimizer)
+            raw.found_inf = sum(scaler._found_inf_per_device(optimizer).values())
+            try:
+                optimizer.step()
+            finally:
+                del raw.found_inf
+        else:
+            scaler.step(optimizer)
+        found_inf = sum(scaler._found_inf_per_device(optimizer).values())
+        scaler.update()
+        return found_inf == 0
+
+    def get_scale(self) -> float:
+        return self.grad_scaler.get_scale()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.grad_scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.grad_scaler.load_state_dict(state_dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,17 +439,18 @@ class PrecisionPolicy:
         return torch.optim.Adam(params, lr=lr, betas=betas, eps=self.adam_eps, foreach=True, capturable=capturable)
 
     def make_scaler(self) -> Scaler:
+        """The loss scaler of one loss, which backs it up, checks, steps and keeps the books
+        (``scaler.step(optimizer, loss, backward)``): the compound scaler, AMP's GradScaler, or
+        None (no scaling: backward and step)."""
         if self.loss_scaling:
-            # device-side skips need hAdam's masked step; other optimizers decide on the host
             return lowp.CompoundLossScaler(
                 init_scale=self.init_scale,
                 growth_interval=self.growth_interval,
                 headroom_growth=self.headroom_growth,
-                sync_free=self.sync_free and self.hadam,
                 compiled=self.compiled_optimizer and self.sync_free and self.hadam,
             )
         if self.mode == "amp":
-            return torch.amp.GradScaler(self.device_type)
+            return AmpScaler(self.device_type)
         return None
 
     def make_target_updater(self, source: nn.Module, target: nn.Module | None) -> lowp.KahanEMA:
@@ -431,54 +484,6 @@ class PrecisionPolicy:
                 mu, log_scale=log_std, softplus_fix=self.softplus_fix, normal_fix=True, noise_form=True
             )
         return lowp.SquashedNormal(mu, log_std.exp(), softplus_fix=self.softplus_fix, normal_fix=False)
-
-    # --- one optimizer step -------------------------------------------------------------------
-    def backward_and_step(
-        self,
-        loss: torch.Tensor,
-        optimizer: torch.optim.Optimizer,
-        scaler: Scaler,
-        backward: Callable[[torch.Tensor], None],
-        reduce_found_inf: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        graph_safe: bool = False,
-    ) -> bool | torch.Tensor:
-        """Backward ``loss`` through ``backward`` and step ``optimizer``.
-
-        Returns whether the step was taken: a bool, or a 0-dim bool tensor where the decision
-        stayed on the device (read it when the host waits anyway). With compound loss scaling
-        the scaled gradient goes straight into hAdam (the scale lives in the optimizer state);
-        with AMP, torch's GradScaler unscales in fp32 and skips on inf. ``graph_safe`` (for CUDA
-        graph capture) leaves out the compound scaler's host bookkeeping: the caller runs
-        ``scaler.count_step(optimizer)`` after each replay.
-        """
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is None:
-            backward(loss)
-            optimizer.step()
-            return True
-        if isinstance(scaler, lowp.CompoundLossScaler):
-            backward(scaler.scale_loss(loss))
-            if graph_safe:
-                return scaler.step_on_device(optimizer, reduce_found_inf=reduce_found_inf)
-            return scaler.step(optimizer, reduce_found_inf=reduce_found_inf)
-        backward(scaler.scale(loss))
-        # GradScaler keeps its per-optimizer inf flags until update(); summed on the device
-        raw = getattr(optimizer, "optimizer", optimizer)  # Lightning wraps the torch optimizer
-        if getattr(raw, "_step_supports_amp_scaling", False):
-            # Fused Adam skips on the device when handed the flag. Set on the torch optimizer
-            # itself (GradScaler would set it on Lightning's wrapper, where Adam never looks) and
-            # stepped through the wrapper, so Lightning still counts the step.
-            scaler.unscale_(optimizer)
-            raw.found_inf = sum(scaler._found_inf_per_device(optimizer).values())
-            try:
-                optimizer.step()
-            finally:
-                del raw.found_inf
-        else:
-            scaler.step(optimizer)
-        found_inf = sum(scaler._found_inf_per_device(optimizer).values())
-        scaler.update()
-        return found_inf == 0
 
     def apply_global_numerics(self) -> None:
         """Set torch's process-wide fp32 matmul and convolution precision to this policy's: IEEE

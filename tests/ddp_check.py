@@ -71,14 +71,14 @@ def build_run(cfg, resume_from=None, **kwargs):
     dump.collector = run.collector
     run.trainer.callbacks.append(dump)
     module = run.module
-    real_step = lowp.CompoundLossScaler.step
+    real_check = lowp.CompoundLossScaler._check_gradients
 
-    def poisoned_step(scaler, optimizer, reduce_found_inf=None):
+    def poisoned_check(scaler, optimizer):  # after the step's backward, before its check
         if run.trainer.global_rank == 1 and module.updates == poison_update and scaler is module.scalers["critic"]:
             next(p for g in optimizer.param_groups for p in g["params"] if p.grad is not None).grad[0] = float("inf")
-        return real_step(scaler, optimizer, reduce_found_inf)
+        return real_check(scaler, optimizer)
 
-    lowp.CompoundLossScaler.step = poisoned_step
+    lowp.CompoundLossScaler._check_gradients = poisoned_check
     real_update = module.update
 
     def update(*args, **kwargs):

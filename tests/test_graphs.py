@@ -6,8 +6,10 @@ tensors -- what a replay does, minus the GPU -- so the static-batch copies, the 
 logging and the loss scalers' host-side counting are checked against plain eager updates.
 """
 
+import contextlib
 import subprocess
 import sys
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -22,8 +24,19 @@ from pixelsac.config import load_config
 from pixelsac.graphs import UpdateGraphs, graph_conflicts, updates_to_capture
 
 
+@contextlib.contextmanager
+def capturing():
+    """What an update sees while a CUDA graph records it (``lowp.graph_capturing``), on a CPU."""
+    with (
+        mock.patch.object(torch.backends.cuda, "is_built", return_value=True),
+        mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True),
+    ):
+        yield
+
+
 class ReplayByCalling:
-    """Stand-in for GraphRunner: capture keeps the function, replay calls it."""
+    """Stand-in for GraphRunner: capture keeps the function, replay calls it as capture would
+    have run it (a real replay runs no Python: what the update's Python did under capture is all)."""
 
     def __init__(self) -> None:
         self.captured, self.replays, self.eager_runs = 0, 0, 0
@@ -38,7 +51,8 @@ class ReplayByCalling:
 
     def replay(self, graph):
         self.replays += 1
-        graph()
+        with capturing():
+            graph()
 
 
 SYNC_FREE = ["perf.sync_free=true", "perf.aug_backend=index", "lowp.growth_interval=3", "train.log_every_updates=5"]
@@ -126,7 +140,7 @@ class CountingReplays(ReplayByCalling):
 
 @pytest.mark.parametrize("precision", CPU_GRAPH_MODES)
 def test_the_recorded_update_reads_nothing_on_the_host(precision):
-    """What capture would record (``update(graph_safe=True)``): no host read, which inside
+    """What capture would record (``update`` while capturing): no host read, which inside
     ``torch.cuda.graph`` is an error. Both kinds of update, and a replay that skips on overflow."""
     batches = [make_batch(seed=i) for i in range(8)]
     batches[6]["reward"].fill_(3e4)  # its squared TD error overflows fp16: a device-side skip

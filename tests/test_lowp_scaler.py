@@ -30,6 +30,41 @@ def snapshot(opt: torch.optim.Optimizer, param: torch.Tensor) -> dict:
     return {"param": param.detach().clone(), "state": state, "eps": opt.param_groups[0]["eps"]}
 
 
+# ---------------------------------------------------------------------------- the one step
+def test_the_step_backpropagates_the_scaled_loss_into_its_optimizers_parameters_only():
+    """``step(optimizer, loss)`` owns the backward: stale gradients zeroed, ``S·loss`` backpropagated
+    into the optimizer's parameters and no others, then the check and the step."""
+    own = torch.nn.Parameter(torch.full((3,), 0.5, dtype=F16))
+    other = torch.nn.Parameter(torch.full((3,), 2.0, dtype=F16))
+    opt = HAdam([own], lr=1e-3, eps=1e-4)
+    scaler = CompoundLossScaler(init_scale=8.0)
+    own.grad = torch.full_like(own, 5.0)  # stale
+    taken = scaler.step(opt, (own * other).sum())
+    assert taken.dtype == torch.bool and bool(taken) and opt.state[own]["step"] == 1
+    assert other.grad is None and torch.equal(own.grad, torch.full_like(own, 16.0))  # S·other
+
+
+def test_while_a_graph_captures_the_step_its_host_half_is_left_to_the_caller():
+    """Inside a CUDA graph capture (faked here) the step does its device work only: the growth
+    check that is due waits for the caller's ``count_step`` after the replay."""
+    from unittest import mock
+
+    param = torch.nn.Parameter(torch.full((3,), 0.5, dtype=F16))
+    opt = HAdam([param], lr=1e-3, eps=1e-4, capturable=True)
+    scaler = CompoundLossScaler(init_scale=8.0, growth_interval=0)  # a growth due after each clean step
+    param.grad = torch.ones_like(param)
+    with (
+        mock.patch.object(torch.backends.cuda, "is_built", return_value=True),
+        mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=True),
+    ):
+        scaler.step(opt)
+    assert scaler.scale == 8.0 and scaler.taken_steps == 1
+    scaler.count_step(opt)
+    assert scaler.scale == 16.0
+    scaler.step(opt)  # not capturing: the host half runs at once
+    assert scaler.scale == 32.0
+
+
 # ------------------------------------------------------------------------- failure mode 7
 def test_overflowing_loss_skips_the_step_and_halves_scale_state_and_eps():
     param = make_param()
@@ -37,13 +72,13 @@ def test_overflowing_loss_skips_the_step_and_halves_scale_state_and_eps():
     scaler = CompoundLossScaler(init_scale=1e4)
     for _ in range(3):
         backward_scaled(scaler, param, x=1.0)
-        assert scaler.step(opt) is True
+        assert scaler.step(opt)
     before = snapshot(opt, param)
 
     loss = backward_scaled(scaler, param, x=30.0)
     assert loss.item() > 65504 / 1e4  # loss·S is not representable in fp16 ...
     assert not torch.isfinite(param.grad).all()  # ... and neither are the gradients
-    assert scaler.step(opt) is False
+    assert not scaler.step(opt)
 
     assert torch.equal(param.detach(), before["param"])  # bitwise unchanged
     state = opt.state[param]
@@ -118,7 +153,7 @@ def test_reduce_found_inf_is_always_called_and_its_answer_decides():
 
     backward_scaled(scaler, param, x=1.0)
     before = param.detach().clone()
-    assert scaler.step(opt, reduce_found_inf=another_rank_overflowed) is False
+    assert not scaler.step(opt, reduce_found_inf=another_rank_overflowed)
     assert len(seen) == 1 and seen[0].dim() == 0 and seen[0].is_floating_point()
     assert seen[0].item() == 0.0  # locally clean, but called anyway
     assert torch.equal(param.detach(), before) and scaler.scale == 5e3 and not opt.state[param]
@@ -130,9 +165,9 @@ def test_reduce_found_inf_is_always_called_and_its_answer_decides():
     param.grad = torch.full((3,), float("nan"), dtype=F16)
     # Every rank participates even on a local overflow; here the "reduction" clears it, so the
     # optimizer is asked to step -- and refuses the NaN state those gradients would write.
-    assert scaler.step(opt, reduce_found_inf=in_place_all_reduce) is False
+    assert not scaler.step(opt, reduce_found_inf=in_place_all_reduce)
     assert seen[-1].item() == 1.0
-    assert opt.state_overflow is True and torch.equal(param.detach(), before)
+    assert bool(opt.state_overflow) and torch.equal(param.detach(), before)
 
 
 def test_scaler_with_plain_torch_adam_scales_second_moment_quadratically():
@@ -143,7 +178,7 @@ def test_scaler_with_plain_torch_adam_scales_second_moment_quadratically():
     scaler.step(opt)
     before = snapshot(opt, param)
     param.grad = torch.full((3,), float("inf"), dtype=F16)
-    assert scaler.step(opt) is False
+    assert not scaler.step(opt)
     state = opt.state[param]
     assert torch.equal(state["exp_avg"], before["state"]["exp_avg"] * 0.5)
     assert torch.equal(state["exp_avg_sq"], before["state"]["exp_avg_sq"] * 0.25)
@@ -257,9 +292,7 @@ def test_after_a_burst_of_overflows_headroom_growth_returns_the_scale_where_the_
         param = torch.zeros(4, dtype=F16, requires_grad=True)
         opt = HAdam([param], lr=1e-3, eps=1e-4, capturable=sync_free)
         interval = 20 if headroom else 10_000  # the paper's interval for its rule
-        scaler = CompoundLossScaler(
-            init_scale=1e4, growth_interval=interval, headroom_growth=headroom, sync_free=sync_free
-        )
+        scaler = CompoundLossScaler(init_scale=1e4, growth_interval=interval, headroom_growth=headroom)
         for _ in range(11):
             param.grad = torch.full((4,), float("inf"), dtype=F16)
             scaler.step(opt)
@@ -292,7 +325,7 @@ def test_headroom_growth_keeps_the_scale_within_the_scaled_losss_dtype(sync_free
     def run(loss_dtype: torch.dtype, steps: int) -> CompoundLossScaler:
         log_alpha = torch.tensor(-3.0, dtype=F16, requires_grad=True)  # α ≈ 0.05
         opt = HAdam([log_alpha], lr=1e-4, eps=1e-4, capturable=sync_free)
-        scaler = CompoundLossScaler(init_scale=1e4, growth_interval=10, headroom_growth=True, sync_free=sync_free)
+        scaler = CompoundLossScaler(init_scale=1e4, growth_interval=10, headroom_growth=True)
         gap = torch.tensor([1.5, 0.5, 1.2, 0.8], dtype=loss_dtype)  # -log π - target entropy
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
@@ -359,9 +392,9 @@ def test_the_sync_free_rescale_of_fp16_moments_is_one_multi_tensor_op_when_the_b
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s).half()) for s in ((4, 3), (3,), (2, 2))]
         opt = HAdam(params, lr=1e-3, capturable=True, unbiased_moments=True, eps=1e-4)
-        scaler = CompoundLossScaler(init_scale=2.0**10, backoff_factor=backoff, sync_free=True)
-        if not state_factor:
-            scaler._state_factor = lambda factor, skipped, optimizer: factor
+        scaler = CompoundLossScaler(init_scale=2.0**10, backoff_factor=backoff)
+        if not state_factor:  # the float32 factor
+            opt._backoff_factor = lambda taken, backoff: torch.where(taken, 1.0, backoff)
         counts = []
         for step in range(4):
             for p in params:
@@ -398,9 +431,7 @@ def test_the_compiled_bookkeeping_is_the_eager_one_bit_for_bit(compiled_hadam, h
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s).half()) for s in ((4, 3), (3,), (2, 2))]
         opt = HAdam(params, lr=1e-3, capturable=sync_free, unbiased_moments=True, eps=1e-4, compiled=compiled_hadam)
-        scaler = CompoundLossScaler(
-            init_scale=2.0**12, growth_interval=5, sync_free=sync_free, headroom_growth=headroom, compiled=compiled
-        )
+        scaler = CompoundLossScaler(init_scale=2.0**12, growth_interval=5, headroom_growth=headroom, compiled=compiled)
         counts, records = None, []
         for step in range(40):
             for p in params:
@@ -497,17 +528,16 @@ def test_on_a_gpu_the_compiled_bookkeeping_replays_in_a_cuda_graph():
     device = torch.device("cuda")
     params = [torch.nn.Parameter(torch.randn(s, device=device).half()) for s in ((4, 3), (3,))]
     opt = HAdam(params, lr=1e-3, capturable=True, unbiased_moments=True, eps=1e-4, compiled=True)
-    scaler = CompoundLossScaler(init_scale=2.0**12, sync_free=True, headroom_growth=True, compiled=True)
+    scaler = CompoundLossScaler(init_scale=2.0**12, headroom_growth=True, compiled=True)
     grads = [torch.randn_like(p) for p in params]
     for p, g in zip(params, grads):
         p.grad = g
     for _ in range(3):  # warm-up: state, constants and compiled graphs made before the capture
-        scaler.step_on_device(opt)
-        scaler.count_step(opt)
+        scaler.step(opt)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        scaler.step_on_device(opt)
+        scaler.step(opt)  # (its host half left out: see graph_capturing)
     scale = float(scaler._device_counts["scale"])
     grads[0].fill_(float("inf"))
     graph.replay()

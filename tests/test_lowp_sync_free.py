@@ -143,7 +143,7 @@ def test_a_masked_kahan_add_reads_nothing_on_the_host():
     )
     with DispatchCount() as count:
         kahan_add_(
-            values, [torch.full((3,), 1e-4, dtype=F16), torch.tensor(1e-4, dtype=F16)], comps, mask=torch.ones(())
+            values, [torch.full((3,), 1e-4, dtype=F16), torch.tensor(1e-4, dtype=F16)], comps, taken=torch.ones(())
         )
     assert count.host_reads == 0, dict(count.read_sites)
     assert all(bool(c.ne(0).all()) for c in comps)  # 1e-4 is below half an ulp of 1: all of it compensated
@@ -202,7 +202,7 @@ def test_state_moves_between_host_and_sync_free_runs():
 def _scaled_run(sync_free: bool, overflow_at: set[int], steps: int, growth_interval: int):
     params = _params(F16)
     opt = HAdam(params, lr=1e-3, eps=1e-4, kahan=True, capturable=sync_free)
-    scaler = CompoundLossScaler(init_scale=1024.0, growth_interval=growth_interval, sync_free=sync_free)
+    scaler = CompoundLossScaler(init_scale=1024.0, growth_interval=growth_interval)
     history = []
     for step in range(steps):
         loss = sum(
@@ -236,7 +236,7 @@ def test_sync_free_scaler_takes_the_host_decisions_step_for_step():
 def test_sync_free_scaler_reads_the_host_only_at_growth_checks(unbiased):
     params = _params(F16)
     opt = HAdam(params, lr=1e-3, eps=1e-4, capturable=True, unbiased_moments=unbiased)
-    scaler = CompoundLossScaler(init_scale=1024.0, growth_interval=10, sync_free=True)
+    scaler = CompoundLossScaler(init_scale=1024.0, growth_interval=10)
     reads_per_step = []
     for step in range(30):
         for p in params:
@@ -267,7 +267,7 @@ def test_sync_free_scaler_state_round_trips_through_plain_numbers():
     _, _, scaler, _ = _scaled_run(True, {1}, 6, growth_interval=100)
     saved = scaler.state_dict()
     assert all(isinstance(v, (int, float)) for v in saved.values())
-    fresh = CompoundLossScaler(growth_interval=100, sync_free=True)
+    fresh = CompoundLossScaler(growth_interval=100)
     fresh.load_state_dict(copy.deepcopy(saved))
     assert fresh.state_dict() == saved and fresh.scale == 512.0
 

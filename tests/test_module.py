@@ -198,8 +198,8 @@ def test_each_backward_computes_only_its_own_optimizers_gradients(precision):
     own: dict[str, torch.Tensor] = {}
     step = module._step
 
-    def spy(name, loss, optimizer, graph_safe=False):
-        step(name, loss, optimizer, graph_safe)
+    def spy(name, loss, optimizer):
+        step(name, loss, optimizer)
         if name == "critic":
             own.update({n: p.grad.clone() for n, p in module.critic.named_parameters() if p.grad is not None})
 

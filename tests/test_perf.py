@@ -511,9 +511,9 @@ def _record_kinds(kinds):
     def prepare(module):
         real = module.update
 
-        def update(batch, with_actor, with_target, graph_safe=False):
+        def update(batch, with_actor, with_target):
             kinds.append(with_actor)
-            return real(batch, with_actor, with_target, graph_safe)
+            return real(batch, with_actor, with_target)
 
         module.update = update
 

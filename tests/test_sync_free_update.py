@@ -27,9 +27,9 @@ def count_updates(module) -> list[tuple[str, DispatchCount]]:
     counts = []
     update = module.update
 
-    def counted(batch, with_actor, with_target, graph_safe=False):
+    def counted(batch, with_actor, with_target):
         with DispatchCount() as count:
-            metrics = update(batch, with_actor, with_target, graph_safe)
+            metrics = update(batch, with_actor, with_target)
         counts.append(("full" if with_actor else "critic-only", count))
         return metrics
 

@@ -35,6 +35,7 @@ from .rounding import stochastic_round
 from .scaler import (
     CompoundLossScaler,
     LossScale,
+    graph_capturing,
     optimizer_state_is_finite_after,
     rescale_optimizer_state_,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "KahanAdam",
     "CompoundLossScaler",
     "LossScale",
+    "graph_capturing",
     "rescale_optimizer_state_",
     "optimizer_state_is_finite_after",
     "KahanEMA",

@@ -38,14 +38,14 @@ The step, for a bucket (the parameters of one device and dtype) whose parameter 
 writes::
 
     s32 = hypot((1-β1)|g|, sqrt(β2)·s)                    (float32; g := 0 where not finite)
-    take = no skip flag and max(s32) <= the dtype's max     (one reduction over the bucket)
-    t_k <- t_k + take
+    taken = no skip flag and max(s32) <= the dtype's max     (one reduction over the bucket)
+    t_k <- t_k + taken
     m32 = lerp(m, g, 1-β1)
     u32 = step_k · m32 / (s32 / c_k + ε)      c_k = sqrt(1 - β2^t_k)
                                               step_k = -lr·(1-β1) / (sqrt(1-β2)·(1 - β1^t_k))
     m <- RN(m32), or SR(m32; key"_k, i)     s <- SR(s32; key_k, i)
     p <- SR(p + u32; key'_k, i), or Kahan: y = u32 - c, p <- RN(p + y), c <- RN((p_new - p) - y)
-    every write blended with ``take`` (a skipped step changes nothing)
+    every write blended with ``taken`` (a skipped step changes nothing)
 
 where ``i`` is the element's index in its parameter's logical (NCHW) order (a channels-last
 weight is read in NHWC order) and ``c_k``, ``step_k`` and the keys come from the step counts in
@@ -75,11 +75,9 @@ with inductor's ``emulate_precision_casts``, which rounds at every cast.
 
 **Cost.** Compiling takes seconds, at the first step of each form (Kahan or not, a skip flag or
 not, dtype). On a CPU the compiled step is slower than the eager one: the per-parameter values an
-element reads through its index keep inductor's CPU loops from vectorising (one thread, 3.1M fp16
-parameters: ~62 ms eager, ~125-135 ms compiled; without the gathers the same loop took ~21 ms).
-A form with a loop per parameter vectorised (~40 ms), but unrolling DrQ's 24 critic tensors
-took minutes to compile; it was left out. On a GPU, where a small table sits in cache, the
-gathers should cost little; that is not measured.
+element reads through its index keep inductor's CPU loops from vectorising (measurements:
+docs/performance.md, "hAdam compiled"). On a GPU, where a small table sits in cache, the gathers
+should cost little.
 """
 
 from __future__ import annotations
@@ -252,12 +250,12 @@ def elements(
     return new_avg, new_root, new_param, new_comp
 
 
-def write(take: torch.Tensor | None, pairs) -> None:
+def write(taken: torch.Tensor | None, pairs) -> None:
     """``target <- value`` for each ``(target, value)`` (a None value: no such state), only where
-    the 0-dim bool ``take`` holds (None: always)."""
+    the 0-dim bool ``taken`` holds (None: always)."""
     for target, value in pairs:
         if value is not None:
-            target.copy_(value if take is None else torch.where(take, value, target))
+            target.copy_(value if taken is None else torch.where(taken, value, target))
 
 
 def _step(
@@ -271,22 +269,22 @@ def _step(
     one_minus_beta1, root_beta2 = hyper[0].float(), hyper[1].float()
     grad32, root32 = roots(grad, exp_avg_root, one_minus_beta1, root_beta2, found_inf is not None)
     overflow = overflowed(root32, param.dtype)
-    take = ~overflow if found_inf is None else (found_inf == 0) & ~overflow
-    counts_after = counts + take.to(torch.float32)
+    taken = ~overflow if found_inf is None else (found_inf == 0) & ~overflow
+    counts_after = counts + taken.to(torch.float32)
     kahan = kahan_comp is not None
     per_param = streams(counts_after, stream_starts, hyper[2], hyper[3], hyper[4], kahan, stochastic_avg)
     per_element = spread(per_param, layout, 0, param.numel())
     new_avg, new_root, new_param, new_comp = elements(
         grad32, root32, exp_avg, param, kahan_comp, one_minus_beta1, eps, *per_element, stochastic_avg, paired=False
     )
-    write(take, [(kahan_comp, new_comp), (param, new_param)])
+    write(taken, [(kahan_comp, new_comp), (param, new_param)])
     if backoff is None:
-        write(take, [(exp_avg, new_avg), (exp_avg_root, new_root)])
+        write(taken, [(exp_avg, new_avg), (exp_avg_root, new_root)])
     else:  # a skipped step moves the state into the units of the backed-off scale: the scaler's rescale
-        factor = torch.where(take, torch.ones_like(backoff[0]), backoff[0])
+        factor = torch.where(taken, torch.ones_like(backoff[0]), backoff[0])
         dtype = param.dtype
-        exp_avg.copy_(torch.where(take, new_avg, (exp_avg.float() * factor).to(dtype)))
-        exp_avg_root.copy_(torch.where(take, new_root, (exp_avg_root.float() * factor).to(dtype)))
+        exp_avg.copy_(torch.where(taken, new_avg, (exp_avg.float() * factor).to(dtype)))
+        exp_avg_root.copy_(torch.where(taken, new_root, (exp_avg_root.float() * factor).to(dtype)))
         eps.copy_(torch.clamp_min(eps * factor, backoff[1]))
     counts.copy_(counts_after)
     return overflow
@@ -429,7 +427,7 @@ class Float32Step:
         root = _part(flat["exp_avg_root"], start, end)
         return roots(grad, root, 1.0 - beta1, math.sqrt(beta2), bucket["sanitize"])
 
-    def _fp32_apply(self, group: dict[str, Any], bucket: dict[str, Any], take: torch.Tensor | None) -> None:
+    def _fp32_apply(self, group: dict[str, Any], bucket: dict[str, Any], taken: torch.Tensor | None) -> None:
         """The float32 step's elements and writes (:func:`elements`), a chunk at a time."""
         flat, grads, bounds, chunks, kept = bucket.pop("fp32")
         beta1, beta2 = group["betas"]
@@ -437,7 +435,7 @@ class Float32Step:
         device, kahan = params[0].device, "kahan_comp" in flat
         stochastic_avg = bool(group.get("stochastic_first_moment", False))
         eps = group["eps"].to(device) if torch.is_tensor(group["eps"]) else group["eps"]
-        take = None if take is None else take.to(device)
+        taken = None if taken is None else taken.to(device)
         if "step" in flat:  # device counts (already this step's)
             per_param = streams(
                 flat["step"], self._constant(device, ("stream", tuple(bucket["indices"])), self._stream_starts),
@@ -488,7 +486,7 @@ class Float32Step:
                 grad32, root32, parts["exp_avg"], parts["param"], parts.get("kahan_comp"), 1.0 - beta1, eps,
                 *per_element, stochastic_avg, "step" in flat,  # (paired with device counts)
             )  # fmt: skip
-            write(take, [(parts.get(name), value) for name, value in zip(names, new)])
+            write(taken, [(parts.get(name), value) for name, value in zip(names, new)])
         # changed in place through the flat buffer: tell autograd, as an in-place op on each would
         torch.autograd.graph.increment_version(params)
 
@@ -563,10 +561,11 @@ class Float32Step:
         bucket: dict[str, Any],
         found_inf: torch.Tensor | None,
         backoff: tuple[float, float] | None,
-    ) -> None:
+    ) -> torch.Tensor:
         """One step of the bucket as :func:`step`: the gradients joined (one ``cat``),
         parameters and state updated in place in their flat buffers; with ``backoff``, the
-        scaler's rescale too (:meth:`step`)."""
+        scaler's rescale too (:meth:`step`). Returns the 0-dim bool "a new root moment
+        overflowed"; host step counts are the caller's to advance."""
         beta1, beta2 = group["betas"]
         params, states, indices = bucket["params"], bucket["states"], bucket["indices"]
         device = params[0].device
@@ -603,13 +602,7 @@ class Float32Step:
         )  # fmt: skip
         # changed in place through the flat buffer: tell autograd, as an in-place op on each would
         torch.autograd.graph.increment_version(params)
-        if capturable:
-            self.state_overflow = overflow
-        else:
-            self.state_overflow = bool(overflow)  # the host path reads its decisions anyway
-            if not self.state_overflow:
-                for state in states:
-                    state["step"] += 1
+        return overflow
 
     def _constant(
         self, device: torch.device, key: tuple, make: Callable[[Any, torch.device], torch.Tensor]

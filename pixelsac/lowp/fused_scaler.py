@@ -1,4 +1,4 @@
-"""The compound loss scaler's device work around a sync-free step: the gradient check before it
+"""The compound loss scaler's device work around a step: the gradient check before it
 and the bookkeeping after it, each one function run eagerly or as one compiled op
 (``CompoundLossScaler(compiled=True)``).
 
@@ -10,12 +10,12 @@ does; a NaN anywhere is a NaN peak, and ``NaN <= max`` is false). Four kernels e
 max, product, comparison-and-select); compiled, :func:`gradient_verdict`
 (``pixelsac_lowp::gradient_verdict``) is one op.
 
-A sync-free step of the scaler (``scaler.py``) ends with a dozen 0-dim or per-parameter device
+A step of the scaler (``scaler.py``) ends with a dozen 0-dim or per-parameter device
 updates, each its own kernel on a GPU: the skip decision from the gradients' flag and the
 optimizer's state overflow, the skipped-peak and largest-peak records, the backoff factor, the
 scale and the interval peak in the backed-off units, and the skipped/taken/clean counts::
 
-    skipped = found_inf > 0  or  state_overflow
+    skipped = found_inf > 0  or  state_overflow             (the step's one skip decision)
     skipped_peaks <- skipped ? peaks : skipped_peaks
     step_peak = skipped ? 0 : peak;   grad_peak <- max(grad_peak, step_peak)
     interval_peak <- max(interval_peak, step_peak) · f          f = skipped ? backoff : 1
@@ -40,13 +40,13 @@ __all__ = ["after_step", "bookkeeping", "gradient_verdict", "verdict"]
 
 
 def bookkeeping(
-    found_inf, overflow, peaks, peak, skipped_peaks, grad_peak, interval_peak, scale, skipped_steps, taken_steps,
+    found_inf, state_overflow, peaks, peak, skipped_peaks, grad_peak, interval_peak, scale, skipped_steps, taken_steps,
     clean_steps, one, backoff,
 ):  # fmt: skip
-    """The bookkeeping after one sync-free step (module docstring), every record and count updated
+    """The bookkeeping after one step (module docstring), every record and count updated
     in place; the arguments as :func:`after_step`'s. Returns the 0-dim bools "skipped" and
     "taken" and the float32 factor (1 or ``backoff``)."""
-    skipped = (found_inf > 0) | overflow
+    skipped = (found_inf > 0) | state_overflow
     if peaks is not None:
         torch.where(skipped, peaks, skipped_peaks, out=skipped_peaks)
         step_peak = (peaks.max() if peak is None else peak).masked_fill(skipped, 0.0)
@@ -98,7 +98,7 @@ _MUTATED = ("skipped_peaks", "grad_peak", "interval_peak", "scale", "skipped_ste
 @torch.library.custom_op("pixelsac_lowp::scaler_after_step", mutates_args=_MUTATED)
 def after_step(
     found_inf: torch.Tensor,
-    overflow: torch.Tensor,
+    state_overflow: torch.Tensor,
     peaks: torch.Tensor | None,
     peak: torch.Tensor | None,
     skipped_peaks: torch.Tensor | None,
@@ -112,19 +112,19 @@ def after_step(
     backoff: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bookkeeping`, compiled: every record and count updated in place. ``found_inf``:
-    0-dim float32; ``overflow``: 0-dim bool (the optimizer's state overflow); ``peaks``: each
+    0-dim float32; ``state_overflow``: 0-dim bool (the optimizer's new state overflowed); ``peaks``: each
     gradient's peak, with ``skipped_peaks`` and ``grad_peak`` (None, all three, where the step
     keeps no record); ``peak``: ``peaks.max()`` if already taken; ``interval_peak``: None without
     headroom growth; ``scale``: float32; the counts int64; ``one``: float32 1.0. Returns the 0-dim
     bools "skipped" and "taken" and the float32 factor (1 or ``backoff``)."""
     with torch._dynamo.config.patch(recompile_limit=64):  # a process may build many scalers
         return compile_once(bookkeeping)(
-            found_inf, overflow, peaks, peak, skipped_peaks, grad_peak, interval_peak, scale, skipped_steps,
+            found_inf, state_overflow, peaks, peak, skipped_peaks, grad_peak, interval_peak, scale, skipped_steps,
             taken_steps, clean_steps, one, backoff,
         )  # fmt: skip
 
 
 @after_step.register_fake
-def _(found_inf, overflow, *rest):
+def _(found_inf, state_overflow, *rest):
     flag = torch.empty((), dtype=torch.bool, device=found_inf.device)
     return flag, torch.empty_like(flag), torch.empty((), device=found_inf.device)

@@ -30,19 +30,21 @@ reach ``(1-β1)/sqrt(1-β2)·|g| ≈ 3.16·|g|`` and, published, the bias-correc
 same at ``t = 1``: in fp16 both overflow once a (loss-scaled) gradient passes ≈20.7k although the
 gradient is finite. An inf ``s`` makes the update exactly 0 and stays inf (halving keeps it), so
 the weight would never move again. Here a step whose new ``s`` (or, published, denominator) is
-not finite is not applied: ``state_overflow`` is set (a bool, or a 0-dim device tensor in the
-sync-free path) and :class:`~pixelsac.lowp.CompoundLossScaler` treats it like an overflowing
-gradient -- skip, back off (halving ``S``, ``m``, ``s``), count it. With the switch on the
-denominator and update stay in float32 and cannot overflow.
+not finite is not applied: ``state_overflow`` (a 0-dim bool tensor) is set and
+:class:`~pixelsac.lowp.CompoundLossScaler` treats it like an overflowing gradient -- skip, back off
+(halving ``S``, ``m``, ``s``), count it. With the switch on the denominator and update stay in
+float32 and cannot overflow.
 
-Sync-free steps (``capturable=True``): ``t`` is a 0-dim float32 tensor on the parameter's device
-and ``step(found_inf=flag)`` decides on the device whether the step happens. With
-``ok = (flag == 0)`` every state tensor is blended as ``x <- lerp(x, x_new, ok)`` (published) or
-``where(ok, x_new, x)`` (float32 step), bit-exact for both values of ``ok``, so a skipped step
-leaves ``p``, ``m``, ``s``, ``c`` and ``t`` exactly as they were. Non-finite gradients count as 0
-so that the unused ``x_new`` stays finite (``0·inf`` would be NaN). Nothing here reads a tensor on
-the host, so the step can run ahead of the host or be captured in a CUDA graph: ``ok`` and a
-device ε enter foreach ops only through their Tensor and List overloads (``masked.py``).
+Skipping on the device (``capturable=True``, ``step(found_inf=flag, backoff=...)`` as the loss
+scaler calls it): ``t`` is a 0-dim float32 tensor on the parameter's device and the step happens
+when ``taken = (flag == 0) and not state_overflow``, decided there: every
+state tensor is blended as ``x <- lerp(x, x_new, taken)`` (published) or ``where(taken, x_new, x)``
+(float32 step), bit-exact for both values, so a skipped step leaves ``p``, ``m``, ``s``, ``c`` and
+``t`` exactly as they were. Non-finite gradients count as 0 so that the unused ``x_new`` stays
+finite (``0·inf`` would be NaN). Nothing is read on the host, so the step can run ahead of the
+host or be captured in a CUDA graph: ``taken`` and a device ε enter foreach ops only through their
+Tensor and List overloads (``masked.py``). With host counts (``capturable=False``) the step reads
+its state overflow, as it must to count, and the caller skips a step whose gradients overflowed.
 
 Where the arithmetic lives: the published form is :meth:`HAdam._published_candidates` and
 :meth:`HAdam._published_apply` below; the float32 step is ``fused.py`` -- decide (``roots``,
@@ -74,6 +76,14 @@ def _smallest_positive(dtype: torch.dtype) -> float:
     """Smallest positive (subnormal) number of a floating dtype, e.g. 5.96e-8 for fp16."""
     info = torch.finfo(dtype)
     return info.smallest_normal * info.eps
+
+
+def _exact_in(value: float, dtype: torch.dtype) -> bool:
+    """Does ``dtype`` hold ``value`` exactly as a normal number (or 0)? Worked out on the host."""
+    info = torch.finfo(dtype)
+    if value != 0.0 and not info.tiny <= abs(value) <= info.max:
+        return False
+    return (math.frexp(abs(value))[0] * 2 ** (round(-math.log2(info.eps)) + 1)).is_integer()
 
 
 def _copy(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -150,9 +160,8 @@ class HAdam(Float32Step, Optimizer):
 
     The float32 step keeps a bucket's parameters (their ``.data``) and each state tensor as views
     into one flat buffer per name (:meth:`_flat_state`), so a step reads and writes them whole or
-    in slices: no ``cat`` but of the gradients, no copy back. A sync-free step of one bucket with
-    ``chunk_numel=None`` dispatches at most ``130 + 2.5·n`` aten ops for ``n`` parameters
-    (tests/test_op_budget.py).
+    in slices: no ``cat`` but of the gradients, no copy back (its op budget:
+    tests/test_op_budget.py).
 
     Two numerical guards beyond the formulas: the denominators ``M + ε`` and ``denom`` are
     floored at the dtype's smallest positive number. They only act when the value is exactly
@@ -198,11 +207,10 @@ class HAdam(Float32Step, Optimizer):
         self._layout_constants: dict[tuple, torch.Tensor] = {}  # see _constant
         self._flat_states: dict[tuple, dict] = {}  # see _flat_state
         self._flat_param_buffers: dict[tuple, tuple] = {}  # see _flat_params
-        # Set by every step: True (or a 0-dim bool device tensor) when a new root moment or
-        # denominator would not be finite and the step was therefore not applied.
-        self.state_overflow: bool | torch.Tensor = False
-        # Set by every step: did it also apply the loss scaler's rescale it was given (``backoff``)?
-        self.backed_off = False
+        # Set by every step: a 0-dim bool tensor, True when a new root moment or denominator
+        # would not be finite and the step was therefore not applied.
+        self.state_overflow = torch.zeros((), dtype=torch.bool)
+        self._ones: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # see _backoff_factor
         for group in self.param_groups:  # the float32 step's parameters into flat buffers now (_flat_params)
             if group["unbiased_moments"]:
                 buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -245,37 +253,36 @@ class HAdam(Float32Step, Optimizer):
         found_inf: torch.Tensor | None = None,
         backoff: tuple[float, float] | None = None,
     ) -> torch.Tensor | None:
-        """Take one hAdam step for every parameter that has a gradient.
+        """Take one hAdam step for every parameter that has a gradient, unless it is skipped.
 
         Args:
             closure: recomputes the loss (optional, as in torch optimizers).
-            found_inf: 0-dim tensor; when nonzero the step is skipped on the device (parameters,
-                moments, Kahan buffers and ``t`` bit-exactly unchanged). Needs ``capturable=True``
-                in every group; non-finite gradients count as 0 (published arithmetic: sanitised in place).
+            found_inf: 0-dim tensor, nonzero when this step's gradients overflowed (a loss
+                scaler's check): the step is skipped, decided on the device. Needs device step
+                counts (``capturable=True``); non-finite gradients then count as 0.
             backoff: ``(f, floor)``, a compound loss scaler's backoff factor and ε floor, given
-                with ``found_inf``: the compiled step then also does the scaler's rescale after a
-                step (``rescale_state_`` by ``f`` if the step is skipped, by 1 if taken) in the
-                same pass and sets :attr:`backed_off` True; any other step ignores it and sets
-                :attr:`backed_off` False (the caller rescales).
+                with ``found_inf``: a skipped step also moves the state into the backed-off
+                scale's units, :meth:`rescale_state_` by ``f`` (the compiled step in its own pass).
 
-        A step whose new state would overflow is not applied either (module docstring); it
-        sets :attr:`state_overflow`.
-        """
+        Skipped (all state bit-exactly unchanged) when ``found_inf`` is nonzero or a new root
+        moment (published: a denominator) would not be finite (:attr:`state_overflow`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if found_inf is not None and not all(group.get("capturable", False) for group in self.param_groups):
             raise ValueError(
-                "HAdam.step(found_inf=...) needs capturable=True: a host-side step "
+                "HAdam.step(found_inf=...) needs capturable=True: a step that counts on the host "
                 "cannot skip without reading the flag on the host"
             )
+        backoff = backoff if found_inf is not None else None
         work = self._gather()
-        self.backed_off = False
-        if self._fused(work):  # (found_inf also tells it to count non-finite gradients as 0)
-            backoff = backoff if found_inf is not None else None  # (found_inf: capturable, checked above)
-            self._fused_step(*work[0], found_inf, backoff)
-            self.backed_off = backoff is not None
+        if self._fused(work):  # decide, write and back off as one compiled op
+            overflow = self._fused_step(*work[0], found_inf, backoff)
+            self.state_overflow = overflow
+            if not work[0][0].get("capturable", False) and not bool(overflow):  # host counts
+                for state in work[0][1]["states"]:
+                    state["step"] += 1
             return loss
         for group, bucket in work:  # a skipped step's gradients may hold inf/NaN; 0 keeps x_new finite
             bucket["sanitize"] = found_inf is not None
@@ -287,21 +294,32 @@ class HAdam(Float32Step, Optimizer):
         # the whole step, as an overflowing gradient anywhere does.
         overflows = [self._overflows(group, bucket) for group, bucket in work]
         if not overflows:
-            self.state_overflow = False
+            device = None if found_inf is None else found_inf.device
+            self.state_overflow = torch.zeros((), dtype=torch.bool, device=device)
             return loss
         device = overflows[0].device
         overflow = overflows[0] if len(overflows) == 1 else torch.stack([f.to(device) for f in overflows]).any()
-        take = None  # 0-dim bool: is the step applied (decided on the device)
+        self.state_overflow = overflow
+        taken = None  # 0-dim bool: is the step applied, decided on the device (None: it is)
         if capturable:
-            take = ~overflow if found_inf is None else (found_inf.to(device) == 0) & ~overflow
-            self.state_overflow = overflow
-        else:
-            self.state_overflow = bool(overflow)  # the host path reads its decisions anyway
-            if self.state_overflow:
-                return loss
-        ok = None if take is None else take.to(torch.float32)  # 1.0 or 0.0: the blend weight
+            taken = ~overflow if found_inf is None else (found_inf.to(device) == 0) & ~overflow
+        elif bool(overflow):  # host counts: the decision read here
+            return loss
         for group, bucket in work:
-            self._apply(group, bucket, ok, take)
+            steps = [s["step"] for s in bucket["states"]]
+            if not group.get("capturable", False):
+                for state in bucket["states"]:
+                    state["step"] += 1
+            elif taken is None:
+                torch._foreach_add_(steps, 1.0)
+            else:
+                add_scalar_(steps, taken.to(device, torch.float32))
+            if unbiased(group, bucket):
+                self._fp32_apply(group, bucket, taken)
+            else:
+                self._published_apply(group, bucket, taken)
+        if backoff is not None:
+            self.rescale_state_(self._backoff_factor(taken, backoff[0]), eps_floor=backoff[1])
         return loss
 
     def _gather(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -338,24 +356,6 @@ class HAdam(Float32Step, Optimizer):
         candidates = self._published_candidates(group, bucket)
         return ~all_finite_many([*candidates["exp_avg_root"], *candidates["denom"]])
 
-    def _apply(
-        self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None, take: torch.Tensor | None
-    ) -> None:
-        params, states = bucket["params"], bucket["states"]
-        steps = [s["step"] for s in states]
-        if group.get("capturable", False):
-            if ok is not None:
-                add_scalar_(steps, ok.to(params[0].device))
-            else:
-                torch._foreach_add_(steps, 1.0)
-        else:
-            for state in states:
-                state["step"] += 1
-        if unbiased(group, bucket):
-            self._fp32_apply(group, bucket, take)
-        else:
-            self._published_apply(group, bucket, ok)
-
     # ------------------------------------------------------------------ published arithmetic
     def _published_candidates(self, group: dict[str, Any], bucket: dict[str, Any]) -> dict[str, Any]:
         """New ``m``, ``s`` and the denominators, every op rounded to the parameter dtype."""
@@ -389,9 +389,9 @@ class HAdam(Float32Step, Optimizer):
         bucket["candidates"] = {"exp_avg": new_avgs, "exp_avg_root": new_roots, "denom": denoms}
         return bucket["candidates"]
 
-    def _published_apply(self, group: dict[str, Any], bucket: dict[str, Any], ok: torch.Tensor | None) -> None:
-        """``p <- p - step·m/denom`` (or its Kahan form) from the published candidates; ``ok`` (0/1
-        device scalar) blends every write so that 0 leaves all state bit-exactly unchanged."""
+    def _published_apply(self, group: dict[str, Any], bucket: dict[str, Any], taken: torch.Tensor | None) -> None:
+        """``p <- p - step·m/denom`` (or its Kahan form) from the published candidates; ``taken`` (a
+        0-dim device bool) blends every write so that False leaves all state bit-exactly unchanged."""
         beta1, beta2 = group["betas"]
         lr, kahan, capturable = group["lr"], group["kahan"], group.get("capturable", False)
         params, states = bucket["params"], bucket["states"]
@@ -409,12 +409,12 @@ class HAdam(Float32Step, Optimizer):
         else:
             # step = lr (1-β1) / (sqrt(1-β2) (1 - β1^t)); the (1-β1)/sqrt(1-β2) undoes c.
             step_sizes = [-lr * (1.0 - beta1) / (math.sqrt(1.0 - beta2) * (1.0 - beta1**t)) for t in steps]
-        if ok is None:
+        if taken is None:
             torch._foreach_copy_(exp_avgs, new_avgs)
             torch._foreach_copy_(exp_avg_roots, new_roots)
         else:
-            select_(exp_avgs, new_avgs, ok)
-            select_(exp_avg_roots, new_roots, ok)
+            select_(exp_avgs, new_avgs, taken)
+            select_(exp_avg_roots, new_roots, taken)
         if not capturable and not kahan:
             # One fused op: p - step*m/denom is rounded once.
             torch._foreach_addcdiv_(params, exp_avgs, denoms, step_sizes)
@@ -423,11 +423,11 @@ class HAdam(Float32Step, Optimizer):
         del denoms
         torch._foreach_mul_(updates, step_sizes)
         if kahan:
-            kahan_add_(params, updates, [s["kahan_comp"] for s in states], mask=ok)
-        elif ok is None:
+            kahan_add_(params, updates, [s["kahan_comp"] for s in states], taken=taken)
+        elif taken is None:
             torch._foreach_add_(params, updates)
         else:
-            select_(params, torch._foreach_add(params, updates), ok)
+            select_(params, torch._foreach_add(params, updates), taken)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load moments and hyperparameters, but keep this optimizer's ``capturable``: whether a
@@ -472,6 +472,21 @@ class HAdam(Float32Step, Optimizer):
                 eps.mul_(factor).clamp_min_(eps_floor)
             else:
                 group["eps"] = max(eps * factor, eps_floor)
+
+    def _backoff_factor(self, taken: torch.Tensor, backoff: float) -> torch.Tensor:
+        """1 where the step was ``taken``, else ``backoff``: a 0-dim tensor of the moments' dtype
+        where it holds ``backoff`` exactly (0.5 in fp16 or bf16), else float32 -- the same
+        product, but CUDA multiplies a list by a 0-dim tensor of its own dtype in one kernel, by
+        one of another dtype tensor by tensor."""
+        key = (taken.device, backoff)
+        if key not in self._ones:  # (a test on the host, once)
+            dtypes = {param.dtype for group in self.param_groups for param in group["params"]}
+            dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+            if not (dtype.is_floating_point and _exact_in(backoff, dtype)):
+                dtype = torch.float32
+            one = torch.ones((), dtype=dtype, device=taken.device)
+            self._ones[key] = (one, torch.full_like(one, backoff))
+        return torch.where(taken, *self._ones[key])  # (two tensors: one op)
 
     @torch.no_grad()
     def state_is_finite_after(self, factor: float) -> bool:

@@ -31,7 +31,7 @@ def kahan_add_(
     values: Sequence[torch.Tensor],
     updates: Sequence[torch.Tensor],
     kahan_comps: Sequence[torch.Tensor],
-    mask: torch.Tensor | None = None,
+    taken: torch.Tensor | None = None,
 ) -> None:
     """Compensated in-place ``values[i] += updates[i]`` for every i.
 
@@ -39,8 +39,8 @@ def kahan_add_(
         values: tensors updated in place (``p``).
         updates: the increments ``u``; consumed (overwritten with ``y``).
         kahan_comps: compensation buffers ``c``, updated in place; start them at zero.
-        mask: optional 0-dim 0/1 tensor: 0 leaves ``p`` and ``c`` bit-exactly unchanged
-            (``p <- lerp(p, t, mask)``, exact for 0 and 1, see ``masked.py``), decided without a host sync.
+        taken: optional 0-dim bool (or 0/1): False leaves ``p`` and ``c`` bit-exactly unchanged
+            (``p <- lerp(p, t, taken)``, exact for 0 and 1, see ``masked.py``), decided without a host sync.
 
     All three lists must have matching shapes, dtypes and devices pairwise.
     """
@@ -52,11 +52,11 @@ def kahan_add_(
     # t = p + y
     summed = torch._foreach_add(values, updates)
     # c = (t - p) - y
-    if mask is not None:
+    if taken is not None:
         new_comps = torch._foreach_sub(summed, values)
         torch._foreach_sub_(new_comps, updates)
-        select_(kahan_comps, new_comps, mask)
-        select_(values, summed, mask)
+        select_(kahan_comps, new_comps, taken)
+        select_(values, summed, taken)
         return
     torch._foreach_copy_(kahan_comps, summed)
     torch._foreach_sub_(kahan_comps, values)

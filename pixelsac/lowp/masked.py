@@ -1,6 +1,6 @@
 """Device-side decisions inside foreach calls: masked writes and device scalars, no host read.
 
-A sync-free step decides on the device whether it happens (``ok``, a 0-dim 0/1 tensor) and may
+A sync-free step decides on the device whether it happens (``taken``, a 0-dim bool) and may
 hold a device scalar (a rescaled ε). Passing such a 0-dim tensor to ``torch._foreach_add_``,
 ``_foreach_sub_`` or ``_foreach_lerp_`` selects their *Scalar* overload, which reads the value on
 the host (``aten._local_scalar_dense``: a device-to-host synchronisation on CUDA, an error inside
@@ -10,7 +10,7 @@ two helpers here keep the value on the device:
 * :func:`add_scalar_` adds a float, or a 0-dim tensor through ``_foreach_add_``'s Tensor
   overload (``alpha=`` selects it): one fused kernel on CUDA, the same arithmetic as the
   Scalar form (the scalar enters the op math in float32 either way);
-* :func:`select_` writes ``targets[i] <- lerp(targets[i], candidates[i], ok)`` with a per-tensor
+* :func:`select_` writes ``targets[i] <- lerp(targets[i], candidates[i], taken)`` with a per-tensor
   list of weights (``_foreach_lerp_``'s List overload), the very arithmetic of the Scalar form:
   torch evaluates ``lerp(a, b, w)`` as ``a + w·(b - a)`` for ``w < 0.5`` and ``b - (b - a)·(1 - w)``
   otherwise, so ``w = 0`` gives ``a`` and ``w = 1`` gives ``b`` bit for bit (for finite
@@ -35,10 +35,10 @@ def add_scalar_(tensors: Sequence[torch.Tensor], value: float | torch.Tensor) ->
         torch._foreach_add_(list(tensors), value)
 
 
-def select_(targets: Sequence[torch.Tensor], candidates: Sequence[torch.Tensor], ok: torch.Tensor) -> None:
-    """``targets[i] <- candidates[i]`` where the 0-dim 0/1 tensor ``ok`` is 1, else unchanged
-    (bit for bit for finite differences), decided on the device."""
+def select_(targets: Sequence[torch.Tensor], candidates: Sequence[torch.Tensor], taken: torch.Tensor) -> None:
+    """``targets[i] <- candidates[i]`` where the 0-dim bool (or 0/1) ``taken`` holds, else
+    unchanged (bit for bit for finite differences), decided on the device."""
     if not targets:
         return
-    weight = ok.to(device=targets[0].device, dtype=targets[0].dtype)  # 0 and 1 are exact in any float
+    weight = taken.to(device=targets[0].device, dtype=targets[0].dtype)  # 0 and 1 are exact in any float
     torch._foreach_lerp_(list(targets), list(candidates), [weight] * len(targets))

@@ -4,35 +4,31 @@ There is no fp32 copy of the gradients to unscale into, and dividing ``S·g`` by
 would underflow again. So the scaled gradient goes straight into the optimizer, whose moments
 and ε are kept in "×S" units (hAdam's ``m / (s + ε)`` does not depend on S)::
 
-    (loss * S).backward()
-    ok = all grads finite                      # checked as isfinite(margin * grad)
-    if ok:  ok = optimizer.step()              # HAdam refuses a step whose new state overflows
-    if ok:  clean += 1
-            if clean > growth_interval and the state stays finite at ×(growth_factor·1.1):
-                S *= growth_factor; state *= growth_factor; ε = max(growth_factor·ε, floor)
-                clean = 0
-    else:   # overflow of a gradient or of the state: the step is skipped, t is not advanced
-            S *= backoff_factor; state *= backoff_factor; ε = max(backoff_factor·ε, floor)
-            clean = 0
+    (loss * S).backward()                     # into the optimizer's parameters only
+    found_inf = not all grads finite           # checked as isfinite(margin * grad)
+    optimizer.step(found_inf)                  # HAdam also refuses a step whose new state overflows
+    skipped = found_inf or optimizer.state_overflow;   f = skipped ? backoff_factor : 1
+    S *= f;  state *= f;  ε = max(ε·f, floor);  clean = (clean + 1)·!skipped
+    if clean > growth_interval and the state stays finite at ×(growth_factor·1.1):
+        S *= growth_factor;  state *= growth_factor;  ε = max(growth_factor·ε, floor);  clean = 0
 
-The state check goes beyond the paper: hAdam's root moment reaches ≈3.16·|g|, so it overflows
-fp16 for a scaled gradient past ≈20.7k that is itself finite; counted as taken, such a step would
-move nothing and could leave ``s`` inf for good (see hadam.py). Backing off cures it.
+A skipped step leaves the weights, the moments and ``t`` as they were (then backs off). The state
+check goes beyond the paper: hAdam's root moment reaches ≈3.16·|g|, so it overflows fp16 for a
+scaled gradient past ≈20.7k that is itself finite; counted as taken, such a step would move
+nothing and could leave ``s`` inf for good (see hadam.py). Backing off cures it.
+
+All of it is :meth:`CompoundLossScaler.step`, the one place a step is skipped, and it is decided
+on the device: ``S``, the clean count and the step counters are 0-dim device tensors, ``found_inf``
+and ``skipped`` 0-dim device flags, and HAdam with device step counts (``capturable=True``) is
+handed ``found_inf`` and ``(backoff_factor, floor)`` and skips and backs off on the device (its
+compiled step in its own pass over the moments). Nothing is read on the host then, and the step
+can be captured in a CUDA graph. An optimizer that counts its steps on the host (HAdam
+``capturable=False``, torch Adam, KahanAdam) cannot be told on the device: the scaler reads
+``found_inf`` and does not step it, and backs it off on the host.
 
 One scaler per loss (critic, actor, alpha). Under data parallelism every rank must take the
 same skip/grow decision, so the found-inf flag can be passed through a caller-supplied
 all-reduce.
-
-Sync-free mode (``sync_free=True``, with an HAdam built ``capturable=True``): ``S``, the clean
-count and the step counters are 0-dim device tensors and the skip is decided on the device::
-
-    optimizer.step(found_inf)            # a no-op on the device when found_inf != 0 or the state overflows
-    ok = (found_inf == 0) and not optimizer.state_overflow;  f = ok ? 1 : backoff_factor
-    S *= f;  state *= f;  ε = max(ε·f, floor);  clean = (clean + 1)·ok
-
-HAdam's compiled step (``HAdam(compiled=True)``) is handed ``(backoff_factor, floor)`` and does
-``state *= f; ε = max(ε·f, floor)`` in its own pass (``backed_off``), the same bits without
-another pass over the moments each step.
 
 Growth needs ``clean > growth_interval``, which cannot happen before ``growth_interval + 1 -
 clean`` more steps; the host counts steps and reads ``clean`` only then (one synchronisation per
@@ -88,6 +84,7 @@ _ADAM_LIKE = (torch.optim.Adam, KahanAdam)
 
 __all__ = [
     "CompoundLossScaler",
+    "graph_capturing",
     "LossScale",
     "rescale_optimizer_state_",
     "optimizer_state_is_finite_after",
@@ -153,29 +150,16 @@ def optimizer_state_is_finite_after(optimizer: Optimizer, factor: float) -> bool
     return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
 
 
-def _exact_in(value: float, dtype: torch.dtype) -> bool:
-    """Does ``dtype`` hold ``value`` exactly (0 or a normal number; a subnormal counts as not),
-    worked out on the host: no tensor is made or read?"""
-    if value == 0.0:
-        return True
-    info = torch.finfo(dtype)
-    if not info.tiny <= abs(value) <= info.max:
-        return False
-    mantissa, _ = math.frexp(abs(value))
-    return (mantissa * 2 ** (round(-math.log2(info.eps)) + 1)).is_integer()
+def graph_capturing() -> bool:
+    """Is a CUDA graph capturing the current stream? (Then no Python runs at replay: host-side
+    work must be left to the caller.) False without CUDA, nothing initialised."""
+    return torch.backends.cuda.is_built() and torch.cuda.is_current_stream_capturing()
 
 
-def _state_overflowed(optimizer: Optimizer) -> bool:
-    """Did the last host-side step refuse to write a non-finite state (HAdam's ``state_overflow``)?"""
-    return bool(getattr(optimizer, "state_overflow", False))
-
-
-def _state_overflow_flag(optimizer: Optimizer, device: torch.device) -> torch.Tensor:
-    """The same as a 0-dim bool on ``device``, without a host read when the flag is a tensor."""
-    flag = getattr(optimizer, "state_overflow", False)
-    if torch.is_tensor(flag):
-        return flag.to(device)
-    return torch.tensor(bool(flag), device=device)
+def _skips_on_device(optimizer: Optimizer) -> bool:
+    """Can ``optimizer`` be told to skip (``step(found_inf=...)``) rather than not be stepped?
+    HAdam with device step counts; an optimizer that counts on the host must be told on the host."""
+    return isinstance(optimizer, HAdam) and all(group.get("capturable", False) for group in optimizer.param_groups)
 
 
 class LossScale(float):
@@ -206,20 +190,16 @@ class CompoundLossScaler:
             rounded once, so it flags exactly the non-finite gradients.
         growth_margin: growth only happens when the state stays finite at
             ``growth_factor·growth_margin`` (the paper checks ``2.2·m`` and ``2.2·s``).
-        compiled: with ``sync_free``, the gradient check before each step (after one foreach
-            norm) and the device bookkeeping after it as one op each, whose kernels
-            ``torch.compile`` generates (``fused_scaler.py``): the same values; compiled at the
-            first step (seconds), for a GPU, where each 0-dim update is a kernel launch.
-        sync_free: decide skips on the device (module docstring); the optimizer must accept
-            ``step(found_inf=...)`` and a tensor in ``rescale_state_`` (HAdam with capturable=True).
-            ``step`` then returns a 0-dim bool tensor, and reading ``scale`` or the counters
-            synchronises -- do it at logging time, not per step.
+        compiled: the gradient check before each step (after one foreach norm) and the
+            device bookkeeping after it as one op each, whose kernels ``torch.compile``
+            generates (``fused_scaler.py``): the same values; compiled at the first step
+            (seconds), for a GPU, where each 0-dim update is a kernel launch.
 
-    Use::
+    Reading ``scale`` or the counters synchronises with the device: do it at logging time, not
+    per step. Use::
 
-        scaler.scale_loss(loss).backward()      # loss·S (scale(loss) too, without noting the dtype)
-        took_step = scaler.step(optimizer)      # never unscale the gradients
-        optimizer.zero_grad()
+        taken = scaler.step(optimizer, loss)    # backward of loss·S, check, step, bookkeeping
+        # or, the backward your own:  scaler.scale_loss(loss).backward(); scaler.step(optimizer)
     """
 
     def __init__(
@@ -231,7 +211,6 @@ class CompoundLossScaler:
         eps_floor: float = 1e-7,
         overflow_margin: float = 1.1 * 0.9005,
         growth_margin: float = 1.1,
-        sync_free: bool = False,
         headroom_growth: bool = False,
         headroom_margin: float = 4.0,
         max_growth: float = 2.0**10,
@@ -251,12 +230,11 @@ class CompoundLossScaler:
         self.eps_floor = float(eps_floor)
         self.overflow_margin = float(overflow_margin)
         self.growth_margin = float(growth_margin)
-        self.sync_free = bool(sync_free)
         self.headroom_growth = bool(headroom_growth)
         self.compiled = bool(compiled)
         self.headroom_margin = float(headroom_margin)
         self.max_growth = float(max_growth)
-        # Host values; in sync-free mode they seed the device tensors at the first step.
+        # Host values until the first step puts them on its device (then only after load_state_dict)
         self._counts: dict[str, float | int] = {
             "scale": float(init_scale),
             "clean_steps": 0,
@@ -265,7 +243,6 @@ class CompoundLossScaler:
         }
         self._device_counts: dict[str, torch.Tensor] | None = None
         self._one: torch.Tensor | None = None  # 1.0 on the device, with the counts
-        self._state_ones: dict[tuple, torch.Tensor | None] = {}  # see _state_factor
         self._steps_until_growth_check = 0
         # device records for the logs: the largest peak |S·g| of the taken steps since the last
         # read, and every gradient's peak at the last skipped step (a non-finite one names the
@@ -304,17 +281,15 @@ class CompoundLossScaler:
     def scale(self) -> LossScale:
         """The current loss scale ``S``: a float that can also be called, ``scale(loss) = loss·S``.
 
-        Sync-free mode reads it from the device (a synchronisation); use :meth:`scale_loss` in
-        the update step."""
+        Read from the device once a step has run (a synchronisation); :meth:`scale_loss` scales
+        without reading it."""
         return LossScale(self._scale)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss·S``, without reading ``S`` on the host in sync-free mode. Notes the loss's dtype:
+        """``loss·S``, without reading ``S`` on the host. Notes the loss's dtype:
         ``S`` is the backward's first gradient, in that dtype, so headroom growth keeps ``S``
         within its range (module docstring)."""
         self._scale_limit = torch.finfo(loss.dtype).max
-        if not self.sync_free:
-            return loss * self._counts["scale"]
         return loss * self._device_state(loss.device)["scale"].to(loss.dtype)
 
     def _device_state(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -349,115 +324,71 @@ class CompoundLossScaler:
     def step(
         self,
         optimizer: Optimizer,
+        loss: torch.Tensor | None = None,
+        backward: Callable[..., Any] | None = None,
         reduce_found_inf: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-    ) -> bool:
-        """Take ``optimizer.step()`` if no gradient overflowed, else skip and back off.
+    ) -> torch.Tensor:
+        """One step of ``optimizer``, skipped if it overflows (module docstring): backward, check,
+        step, bookkeeping.
 
         Args:
-            optimizer: HAdam, torch Adam or KahanAdam whose parameters hold ``S``-scaled
-                gradients.
+            optimizer: HAdam, torch Adam or KahanAdam.
+            loss: when given, the gradients are zeroed and ``S·loss`` is backpropagated into the
+                optimizer's parameters only, through ``backward(tensor, inputs=...)`` (default
+                ``Tensor.backward``); without it the parameters hold ``S``-scaled gradients
+                already (:meth:`scale_loss`).
             reduce_found_inf: optional all-reduce (e.g. MAX over data-parallel ranks) of the
                 0-dim found-inf flag. It is called on every step, clean or not, so all ranks
                 participate. It may return the reduced tensor or reduce in place and return None.
 
         Returns:
-            True when the optimizer step was taken.
+            0-dim bool tensor: was the step taken. With HAdam counting on the device nothing is
+            read on the host, and inside a CUDA graph capture the host half (:meth:`count_step`)
+            is left to the caller, after each replay.
         """
+        if loss is not None:
+            optimizer.zero_grad(set_to_none=True)
+            inputs = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+            (backward or torch.Tensor.backward)(self.scale_loss(loss), inputs=inputs)
         found_inf, peaks, peak = self._check_gradients(optimizer)
         if reduce_found_inf is not None:
             reduced = reduce_found_inf(found_inf)
             if reduced is not None:
                 found_inf = reduced
-        if self.sync_free:
-            taken = self._step_on_device(optimizer, found_inf, peaks, peak)
+        counts = self._device_state(found_inf.device)
+        back_off_here = False  # the optimizer counts on the host: it is told on the host
+        if _skips_on_device(optimizer):  # it skips, and backs off, on the device
+            optimizer.step(found_inf=found_inf, backoff=(self.backoff_factor, self.eps_floor))
+            state_overflow = optimizer.state_overflow
+        elif found_inf.item() > 0:  # not stepped at all
+            state_overflow, back_off_here = torch.zeros((), dtype=torch.bool, device=found_inf.device), True
+        else:
+            optimizer.step()
+            # HAdam may refuse a step whose new state overflows; torch Adam and KahanAdam never do
+            state_overflow = getattr(optimizer, "state_overflow", None)
+            if state_overflow is None:
+                state_overflow = torch.zeros((), dtype=torch.bool, device=found_inf.device)
+            back_off_here = bool(state_overflow)
+        record = peaks is not None and self._grad_peak is not None and peaks.shape == self._skipped_peaks.shape
+        # one function either way (fused_scaler.py); compiled, it is one op of a few generated kernels
+        _, taken, _ = (fused_scaler.after_step if self.compiled else fused_scaler.bookkeeping)(
+            found_inf, state_overflow.to(found_inf.device), peaks if record else None, peak if record else None,
+            self._skipped_peaks if record else None, self._grad_peak if record else None, self._interval_peak,
+            counts["scale"], counts["skipped_steps"], counts["taken_steps"], counts["clean_steps"], self._one,
+            self.backoff_factor,
+        )  # fmt: skip
+        if back_off_here:
+            rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
+        if not graph_capturing():
             self.count_step(optimizer)
-            return taken
-        if bool(found_inf.item() > 0):
-            self._skip(optimizer, peaks)
-            return False
-
-        optimizer.step()
-        if _state_overflowed(optimizer):
-            # The gradients were finite but the optimizer state they lead to is not (hAdam's root
-            # moment past the dtype's range): the optimizer did not apply the step, and a smaller
-            # scale is the cure, exactly as for an overflowing gradient.
-            self._skip(optimizer, peaks)
-            return False
-        self._record(peaks, skipped=False, peak=peak)
-        self.taken_steps += 1
-        self.clean_steps += 1
-        if self.clean_steps > self.growth_interval:
-            factor = self._growth_by()
-            if factor > 1.0 and optimizer_state_is_finite_after(optimizer, factor * self.growth_margin):
-                self._scale *= factor
-                rescale_optimizer_state_(optimizer, factor, self.eps_floor)
-                self.clean_steps = 0
-            elif factor == 1.0:  # no room: look again after another interval
-                self.clean_steps = 0
-        return True
-
-    def step_on_device(
-        self,
-        optimizer: Optimizer,
-        reduce_found_inf: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-    ) -> torch.Tensor:
-        """The device half of a sync-free :meth:`step` only: no Python state changes, so it can be
-        captured in a CUDA graph. Call :meth:`count_step` on the host after each run of it."""
-        if not self.sync_free:
-            raise ValueError("step_on_device needs a sync_free=True scaler")
-        found_inf, peaks, peak = self._check_gradients(optimizer)
-        if reduce_found_inf is not None:
-            reduced = reduce_found_inf(found_inf)
-            if reduced is not None:
-                found_inf = reduced
-        return self._step_on_device(optimizer, found_inf, peaks, peak)
+        return taken
 
     def count_step(self, optimizer: Optimizer) -> None:
-        """The host half of a sync-free step: count it, and look at growth when it may be due."""
+        """The host half of a step: count it, and look at growth when it may be due. :meth:`step`
+        calls it, but not while a CUDA graph captures the step: after a replay, call it."""
         self._steps_until_growth_check -= 1
         if self._steps_until_growth_check <= 0:
             self._growth_check(optimizer)
-
-    def _step_on_device(
-        self,
-        optimizer: Optimizer,
-        found_inf: torch.Tensor,
-        peaks: torch.Tensor | None = None,
-        peak: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        counts = self._device_state(found_inf.device)
-        if isinstance(optimizer, HAdam):  # its compiled step rescales in its own pass (backed_off)
-            optimizer.step(found_inf=found_inf, backoff=(self.backoff_factor, self.eps_floor))
-        else:
-            optimizer.step(found_inf=found_inf)
-        record = peaks is not None and self._grad_peak is not None and peaks.shape == self._skipped_peaks.shape
-        # one function either way (fused_scaler.py); compiled, it is one op of a few generated kernels
-        skipped, taken, factor = (fused_scaler.after_step if self.compiled else fused_scaler.bookkeeping)(
-            found_inf, _state_overflow_flag(optimizer, found_inf.device), peaks if record else None,
-            peak if record else None, self._skipped_peaks if record else None, self._grad_peak if record else None,
-            self._interval_peak, counts["scale"], counts["skipped_steps"], counts["taken_steps"],
-            counts["clean_steps"], self._one, self.backoff_factor,
-        )  # fmt: skip
-        if not getattr(optimizer, "backed_off", False):
-            optimizer.rescale_state_(self._state_factor(factor, skipped, optimizer), eps_floor=self.eps_floor)
-        return taken
-
-    def _state_factor(self, factor: torch.Tensor, skipped: torch.Tensor, optimizer: Optimizer) -> torch.Tensor:
-        """The step's factor (1 or the backoff) for the optimizer's moments: in their dtype where
-        they share one that holds the backoff exactly (0.5 in fp16 or bf16), else ``factor``.
-        The same product either way; but CUDA multiplies a list of tensors by a 0-dim tensor of
-        their own dtype in one multi-tensor kernel, and by one of another dtype tensor by tensor
-        (DrQ's fp16 critic: 48 kernels a step for its moments)."""
-        dtypes = {param.dtype for group in optimizer.param_groups for param in group["params"]}
-        dtype = dtypes.pop() if len(dtypes) == 1 else factor.dtype
-        if dtype == factor.dtype or not dtype.is_floating_point:
-            return factor
-        if (dtype, factor.device) not in self._state_ones:
-            exact = _exact_in(self.backoff_factor, dtype)
-            one = torch.ones((), dtype=dtype, device=factor.device) if exact else None
-            self._state_ones[(dtype, factor.device)] = one
-        one = self._state_ones[(dtype, factor.device)]
-        return factor if one is None else one.masked_fill(skipped, self.backoff_factor)
 
     @torch.no_grad()
     def _check_gradients(self, optimizer: Optimizer) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -466,13 +397,13 @@ class CompoundLossScaler:
         rounding ``margin·g`` into the dtype is monotone in ``|g|`` (``finite.py``), so it overflows
         somewhere exactly when ``margin·max|g|`` does, and a NaN anywhere is a NaN peak (the
         foreach norm and ``max`` carry it). Elsewhere :meth:`found_inf`'s own check, and no peak.
-        One function either way (``fused_scaler.verdict``); compiled (sync-free, with the device's
-        constant 1.0), one op after the foreach norm."""
+        One function either way (``fused_scaler.verdict``); compiled (with the device's constant
+        1.0), one op after the foreach norm."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads and self.overflow_margin > 0 and len({(g.device, g.dtype) for g in grads}) == 1:
             one = self._one
             compiled = self.compiled and one is not None and one.device == grads[0].device
-            if one is None or one.device != grads[0].device:  # the host path: no device constant kept
+            if one is None or one.device != grads[0].device:  # before the first step: no device constant yet
                 one = torch.ones((), device=grads[0].device)
             check = fused_scaler.gradient_verdict if compiled else fused_scaler.verdict
             peaks, peak, found_inf = check(torch._foreach_norm(grads, float("inf")), self.overflow_margin, one)
@@ -501,32 +432,6 @@ class CompoundLossScaler:
             if self.headroom_growth:
                 self._interval_peak = torch.zeros((), dtype=peaks.dtype, device=peaks.device)
 
-    def _skip(self, optimizer: Optimizer, peaks: torch.Tensor | None) -> None:
-        """A skip decided on the host: record it, ``S *= backoff_factor``, and rescale what the
-        optimizer holds in ×S units (its moments, ε) by the same factor."""
-        self._record(peaks, skipped=True)
-        self._scale *= self.backoff_factor
-        rescale_optimizer_state_(optimizer, self.backoff_factor, self.eps_floor)
-        self.clean_steps = 0
-        self.skipped_steps += 1
-
-    def _record(self, peaks: torch.Tensor | None, skipped: bool, peak: torch.Tensor | None = None) -> None:
-        """Keep the step's peaks when it was skipped, its largest peak (``peak``: ``peaks.max()``
-        if already taken) when it was taken, decided on the host (the sync-free step keeps its
-        records in ``fused_scaler.bookkeeping``)."""
-        if peaks is None or self._grad_peak is None or peaks.shape != self._skipped_peaks.shape:
-            return
-        if skipped:
-            self._skipped_peaks.copy_(peaks)
-            if self._interval_peak is not None:  # in the units of the halved scale
-                self._interval_peak.mul_(self.backoff_factor)
-            return
-        else:
-            step_peak = peaks.max() if peak is None else peak
-        torch.maximum(self._grad_peak, step_peak, out=self._grad_peak)
-        if self._interval_peak is not None:
-            torch.maximum(self._interval_peak, step_peak, out=self._interval_peak)
-
     def take_grad_peak(self) -> torch.Tensor | None:
         """The largest ``max|S·g|`` over the taken steps since the last call, ÷ the dtype's
         largest value (a 0-dim float32 device tensor, then reset; None before any step)."""
@@ -550,7 +455,7 @@ class CompoundLossScaler:
         return int(bad[0]) if len(bad) else "state"
 
     def _growth_check(self, optimizer: Optimizer) -> None:
-        """The host-side half of sync-free growth: read ``clean`` now that it may exceed the interval."""
+        """The host half of growth: read ``clean`` now that it may exceed the interval."""
         counts = self._device_counts
         clean = int(counts["clean_steps"].item())
         if clean > self.growth_interval:
@@ -570,14 +475,11 @@ class CompoundLossScaler:
     def _growth_by(self) -> float:
         """The factor a due growth multiplies ``S`` by: ``growth_factor``, or (headroom growth)
         its largest power that keeps the interval's peak ``·headroom_margin`` in range and ``S``
-        within the scaled loss's dtype, 1.0 for none. Reads the peak (and in sync-free mode
-        ``S``) on the host, in one read: called at growth checks only."""
+        within the scaled loss's dtype, 1.0 for none. Reads the peak and ``S`` on the host, in
+        one read: called at growth checks only."""
         if not self.headroom_growth or self._interval_peak is None:
             return self.growth_factor
-        if self._device_counts is not None:
-            peak, scale = torch.stack([self._interval_peak.float(), self._device_counts["scale"].float()]).tolist()
-        else:
-            peak, scale = float(self._interval_peak), float(self._counts["scale"])
+        peak, scale = torch.stack([self._interval_peak.float(), self._device_counts["scale"].float()]).tolist()
         self._interval_peak.zero_()
         scale_room = self._scale_limit / scale
         if not peak > 0.0:  # nothing recorded since a resume: the published doubling, if S has room

@@ -244,9 +244,9 @@ def metered_updates(
         module = SACModule(config, tuple(obs_shape), action_dim)
         update = module.update
 
-        def metering(batch: Any, with_actor: bool, with_target: bool, graph_safe: bool = False) -> Any:
+        def metering(batch: Any, with_actor: bool, with_target: bool) -> Any:
             with meter() as each:
-                metrics = update(batch, with_actor, with_target, graph_safe)
+                metrics = update(batch, with_actor, with_target)
             metered.append((with_actor, each))
             return metrics
 
