@@ -83,12 +83,41 @@ def test_skipped_steps_are_skipped_by_the_judge_and_backoff_keeps_the_units(tiny
     assert row["step error"] < 0.004, row
 
 
+@pytest.mark.slow
+def test_a_moved_loss_scale_keeps_the_units_and_a_sunk_one_loses_small_gradients(tiny_fp16_run: TrainedRun, tmp_path):
+    """``loss_scale.critic=S·f`` moves S, m, s and ε by f as a backoff would: at S/8 the judge reads
+    the same moments in true units and the same steps as at the run's S; at S·2^-20 the scaled
+    gradients and moments fall below fp16's subnormals and the critic's steps leave float64's (a
+    judge that moved S without the moments, or a scale that did not reach the optimizer, would
+    show neither)."""
+    tool = load_tool("judges/step.py")
+    module, _, _ = tool.resume(tiny_fp16_run.run_dir, [])
+    scale = float(module.module.scalers["critic"].scale)
+    pinned = "lowp.growth_interval=1000000"
+    out = tmp_path / "moved"
+    argv = [str(tiny_fp16_run.run_dir), "--updates", "30", "--out", str(out),
+            "--variant", f"eighth=loss_scale.critic={scale / 8!r} {pinned}",
+            "--variant", f"sunk=loss_scale.critic={scale * 2.0**-20!r} {pinned} safety.min_loss_scale=0"]  # fmt: skip
+    assert tool.main(argv) == 0
+    final = _final(out)
+    trained, eighth, sunk = (final[v, "critic"] for v in ("as trained", "eighth", "sunk"))
+    assert eighth["loss scale"] == scale / 8 and sunk["loss scale"] == scale * 2.0**-20
+    assert abs(eighth["root ratio"] - 1) < 0.002 and eighth["step error"] < 0.004, eighth
+    assert eighth["step error"] < 2 * trained["step error"] + 1e-4, (eighth, trained)
+    # measured: step error 0.0011 (as trained, S = 10^4), 0.0013 (S/8), 0.48 (S·2^-20, 8% of m lost)
+    assert sunk["step error"] > 10 * trained["step error"] and sunk["m lost"] > 0.03, (sunk, trained)
+    assert final["eighth", "actor"]["loss scale"] == final["as trained", "actor"]["loss scale"]  # only the critic moved
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [
         (["{missing}"], "not a run directory"),
         (["{run}", "--variant", "x=lowp.no_such_key=1"], "no key 'lowp.no_such_key'"),
         (["{run}", "--variant", "x=precision=fp32"], "cannot change precision"),
+        (["{run}", "--variant", "x=loss_scale.critic=3"], "times a power of 2"),
+        (["{run}", "--variant", "x=loss_scale.critic=-1"], "takes a positive number"),
+        (["{run}", "--variant", "x=loss_scale.value=1"], "the losses are"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, says, run16, tmp_path, capsys):

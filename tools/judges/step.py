@@ -47,9 +47,14 @@ trial. Per optimizer (critic, actor, temperature) it reports:
 ``--variant NAME="key=value ..."`` continues from the same state with other numerics of the same
 precision (e.g. ``lowp.unbiased_moments=false``, the published hAdam); each contender then takes
 its own path, judged against its own gradients. The batches, augmentation shifts and policy
-noise are the same for every contender.
+noise are the same for every contender. A variant may also move a loss's compound scale,
+``loss_scale.critic=4.8828125``: the run's ``S`` times a power of two ``f``, applied as a backoff
+or a growth applies it (``S``, the moments and ε times ``f``, each rounded once into its dtype), so
+the same weights and moments in true units go on at another ``S`` -- where a sunk scale would
+have left them. Add ``lowp.growth_interval=1000000`` to keep it there.
 
     python tools/fidelity.py step RUN_DIR --updates 500 --report-every 100 --out OUT
+    python tools/fidelity.py step RUN_DIR --variant "low=loss_scale.critic=4.8828125 lowp.growth_interval=1000000"
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ from table_files import write_table_files
 from judges.common import RunUnreadable, driven_by_fabric, flat, load_run
 from pixelsac import checkpoint as ckpt_io
 from pixelsac.config import ConfigError, load_config, parse_overrides, to_plain
-from pixelsac.lowp import CompoundLossScaler
+from pixelsac.lowp import CompoundLossScaler, rescale_optimizer_state_
 from pixelsac.module import LOSSES, SACModule
 
 #: A param group's keys that say how it steps (the variant's win); its lr, betas and ε (rescaled
@@ -315,6 +320,8 @@ def resume(run_dir: Path, overrides: list[str]) -> tuple[Any, Any, dict[str, Any
     except RunUnreadable as exc:
         raise UnfitState(str(exc)) from None
     checkpoint = copy.copy(checkpoint)
+    moved = {k[len(SCALE_KEY) :]: v for k, v in parse_overrides(overrides).items() if k.startswith(SCALE_KEY)}
+    overrides = [o for o in overrides if not o.startswith(SCALE_KEY)]
     if overrides:
         # the saved config with the keys added since it was written, as a resume reads it
         config = OmegaConf.create(to_plain(load_config([], base=checkpoint["hyper_parameters"]["config"])))
@@ -349,7 +356,40 @@ def resume(run_dir: Path, overrides: list[str]) -> tuple[Any, Any, dict[str, Any
         if inner.scalers.get(name) is not None:
             inner.scalers[name].load_state_dict(scaler_state)
     inner._pending_scaler_states = {}
+    for name, scale in moved.items():
+        move_loss_scale(inner, name, scale)
     return module, replay, checkpoint
+
+
+#: A variant's key that moves a loss's compound scale (``loss_scale.critic=4.8828125``).
+SCALE_KEY = "loss_scale."
+
+
+def move_loss_scale(inner: Any, name: str, scale: Any) -> None:
+    """Put loss ``name``'s compound scale at ``scale`` = ``S·f``, ``f`` a power of two, as the
+    scaler's backoff or growth would: ``S``, the optimizer's moments (hAdam: ``m``, ``s``; Adam:
+    ``m``, ``v·f²``) and ε times ``f``, each rounded once into its dtype."""
+    optimizers = dict(zip(LOSSES, inner.optimizers(), strict=True))
+    if name not in optimizers:
+        raise UnfitState(f"{SCALE_KEY}{name}: the losses are {', '.join(LOSSES)}")
+    scaler = inner.scalers.get(name)
+    if not isinstance(scaler, CompoundLossScaler):
+        raise UnfitState(f"{SCALE_KEY}{name}: the run's {name} loss has no compound loss scale to move")
+    try:
+        scale = float(scale) if not isinstance(scale, bool) else math.nan  # YAML reads 1e4 as a string
+    except (TypeError, ValueError):
+        scale = math.nan
+    if not 0 < scale < math.inf:
+        raise UnfitState(f"{SCALE_KEY}{name} takes a positive number")
+    factor = scale / float(scaler.scale)
+    if math.frexp(factor)[0] != 0.5:
+        raise UnfitState(
+            f"{SCALE_KEY}{name}={scale:g} is not the run's scale {float(scaler.scale):g} times a power of 2, "
+            "so the moments could not move exactly with it"
+        )
+    optimizer = optimizers[name]
+    rescale_optimizer_state_(getattr(optimizer, "optimizer", optimizer), factor, scaler.eps_floor)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": scale})
 
 
 class UnfitState(Exception):
