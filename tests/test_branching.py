@@ -167,6 +167,7 @@ def test_branch_tool_continues_both_arms_and_pairs_them(tiny_fp32_run, tmp_path)
     rows = (out / "paired.csv").read_text().splitlines()
     assert rows[0].startswith("base,continuation,mode") and len(rows) == 3
     assert "fp16 against fp32" in (out / "results.md").read_text()
+    assert (out / "curves.png").stat().st_size > 10_000  # a panel per base: the base, then every arm
     again = subprocess.run(command, env=cli_env(), capture_output=True, text=True, cwd=tmp_path)
     assert again.returncode == 0 and again.stdout.count("done") == 4  # a finished branch is not trained again
 

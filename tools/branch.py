@@ -18,7 +18,8 @@ A branch's score is the mean of its evaluation returns after the branch point (t
 evaluation schedule continues: with ``--frames 20000`` and evaluations every 10k, at +10k and
 +20k). Pairs are (base, continuation): each mode against ``--against`` (fp32). The verdict follows
 tools/verdict.py's rule over the pairs, and over base means once there are 3 or more bases.
-Writes ``OUT/branches.csv`` (every branch's evaluations), ``OUT/paired.csv`` and ``OUT/results.md``.
+Writes ``OUT/branches.csv`` (every branch's evaluations), ``OUT/paired.csv``, ``OUT/results.md`` and
+``OUT/curves.png`` (a panel per base: its curve to the branch point, then every finished arm).
 Bad arguments and unconvertible checkpoints: one ``error:`` line, exit 2; exit 1 when a continuation
 failed (see its train.log).
 """
@@ -230,9 +231,69 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path) ->
     waiting = [b.key for b in branches if (b.base.label, b.mode, b.continuation) not in scores]
     if waiting:
         lines += ["Not finished: " + ", ".join(waiting), ""]
+    if scores:
+        plot_branches(branches, scores, against, out / "curves.png")
+        lines += [
+            "![Each base's returns to the branch point, then every arm of every continuation](curves.png)",
+            "",
+        ]
     text = "\n".join(lines)
     (out / "results.md").write_text(text)
     return text
+
+
+def plot_branches(
+    branches: Sequence[Branch], scores: dict[tuple[str, str, int], float], against: str, out: Path
+) -> None:
+    """One panel per base: the base run's evaluation returns up to the branch point (grey), then
+    each finished branch from there, a colour per mode and a line style per continuation; the
+    panel's title gives each pair's score difference."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    finished = [b for b in branches if (b.base.label, b.mode, b.continuation) in scores]
+    bases = sorted({b.base.label: b.base for b in finished}.values(), key=lambda base: base.label)
+    modes = sorted({b.mode for b in branches})
+    colors = {mode: plt.get_cmap("tab10")(i % 10) for i, mode in enumerate(modes)}
+    styles = ("-", "--", ":", "-.")
+    columns = min(3, len(bases))
+    rows = -(-len(bases) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
+    for ax, base in zip(axes.flat, bases):
+        base_dir = base.file.parent.parent if base.file.parent.name == "checkpoints" else base.file.parent
+        try:
+            frames, returns = plot.read_eval_curve(base_dir)
+            keep = frames <= base.env_frames
+            ax.plot(frames[keep], returns[keep], color="0.5", lw=1.8, label=f"base ({against})")
+            start = float(returns[keep][-1]) if keep.any() else None
+        except plot.PlotError:  # the base's files are elsewhere: the branches alone
+            start = None
+        differences = []
+        for branch in (b for b in finished if b.base.label == base.label):
+            at, values = branch_evaluations(branch)
+            if start is not None:
+                at, values = [base.env_frames, *at], [start, *values]
+            style = styles[(branch.continuation - 1) % len(styles)]
+            ax.plot(
+                at, values, color=colors[branch.mode], ls=style, lw=1.4, label=f"{branch.mode} c{branch.continuation}"
+            )
+            key = (base.label, against, branch.continuation)
+            if branch.mode != against and key in scores:
+                own = scores[(base.label, branch.mode, branch.continuation)]
+                differences.append(f"c{branch.continuation} {own - scores[key]:+.1f}")
+        ax.axvline(base.env_frames, color="0.8", lw=0.8)
+        ax.set_title(f"{base.label}: " + ", ".join(differences), fontsize=9)
+        ax.set_xlabel("env frames")
+        ax.set_ylabel("eval return")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(bases) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 # --- command line ----------------------------------------------------------------------------------
