@@ -8,14 +8,15 @@ differs between an fp16 and an fp32 continuation is the arithmetic of the update
 (``tools/branch.py`` runs and compares them).
 
 :func:`branch_checkpoint` turns a pixelsac checkpoint written by an **fp32** run into the checkpoint
-of a run in ``precision`` (``fp32`` or ``fp16``), as if that run had reached the same state:
+of a run in ``precision`` (``fp32``, ``fp16`` or ``bf16``), as if that run had reached the same state:
 
 * weights and the temperature ``log α``: rounded once to the dtype (refused if one overflows);
 * Adam's moments ``m``, ``v`` into hAdam's, in the loss scale's units (the scale is never divided
   out): ``exp_avg = S·m`` and ``exp_avg_root = S·c·√v`` with hAdam's ``c = (1-β1)/√(1-β2)``, each
   computed in float64 and rounded once; hAdam's ε the one an fp16 run holds at ``S``
-  (``lowp.adam_eps_scaled·S/init_scale``, floored as the scaler floors it); the step count kept;
-* the loss scale ``S`` of each loss: the largest ``init_scale·2^k`` (k <= 0, the scales an fp16 run
+  (``lowp.adam_eps_scaled·S/init_scale``, floored as the scaler floors it); the step count kept.
+  bf16 has fp32's range and no loss scaling: there ``S = 1`` and ε is the bf16 run's own;
+* the loss scale ``S`` of each loss (fp16): the largest ``init_scale·2^k`` (k <= 0, the scales an fp16 run
   visits) at which no gradient the second moment still remembers would have overflowed: one
   gradient ``g`` adds ``(1-β2)·g²`` to ``v``, so ``|g| <= √(v/(1-β2))`` for every recent ``g``, and
   ``S·max √(v/(1-β2)) <= the dtype's largest value``. The scaler's growth raises it from there
@@ -48,7 +49,7 @@ import torch
 from pixelsac.checkpoint import CheckpointError, callback_state
 
 #: precisions a branch can continue in
-BRANCH_PRECISIONS = ("fp32", "fp16")
+BRANCH_PRECISIONS = ("fp32", "fp16", "bf16")
 #: mixed into every stream a continuation seed derives, so a branch's streams never equal a run's
 BRANCH_STREAM_TAG = 0x6272616E6368  # "branch"
 
@@ -60,7 +61,7 @@ def branch_checkpoint(checkpoint: dict[str, Any], precision: str, continuation: 
     from pixelsac.module import SACModule
 
     if precision not in BRANCH_PRECISIONS:
-        raise CheckpointError(f"a branch continues in {' or '.join(BRANCH_PRECISIONS)}, not {precision!r}")
+        raise CheckpointError(f"a branch continues in {', '.join(BRANCH_PRECISIONS)}, not {precision!r}")
     config = checkpoint["hyper_parameters"]["config"]
     if config.get("precision") != "fp32":
         raise CheckpointError(

@@ -17,6 +17,7 @@ from pixelsac.branching import branch_checkpoint, loss_scale_for
 from pixelsac.module import SACModule
 
 sys.path.insert(0, str(REPO / "tools"))
+import branch as branch_tool  # noqa: E402
 import verdict  # noqa: E402
 
 
@@ -33,36 +34,57 @@ def test_an_fp32_branch_without_a_continuation_seed_is_the_checkpoint_itself(fp3
     assert branched["callbacks"] == fp32_checkpoint["callbacks"]
 
 
-def test_fp16_branch_holds_fp32_state_rounded_once_in_loss_scale_units(fp32_checkpoint):
-    branched = branch_checkpoint(fp32_checkpoint, "fp16")
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: a unit roundoff of each half type, and the smallest positive value it holds
+ROUNDOFF = {"fp16": (2**-11, 2**-24), "bf16": (2**-8, 2**-133)}
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_a_half_branch_holds_fp32_state_rounded_once_in_loss_scale_units(fp32_checkpoint, mode):
+    """fp16 holds the moments ×S (S chosen per loss, ε ×S/S0); bf16 has fp32's range, so S = 1
+    and its ε is the bf16 run's own."""
+    branched = branch_checkpoint(fp32_checkpoint, mode)
+    dtype = HALF[mode]
     state, source = branched["state_dict"], fp32_checkpoint["state_dict"]
     for name in ("critic.q1.0.weight", "actor.policy.0.weight", "log_alpha"):
-        assert state[name].dtype == torch.float16 and torch.equal(state[name], source[name].half())
+        assert state[name].dtype == dtype and torch.equal(state[name], source[name].to(dtype))
     scales = {loss: s["scale"] for loss, s in branched["pixelsac"]["scalers"].items()}
-    for scale, converted, stored in zip(
-        scales.values(), branched["optimizer_states"], fp32_checkpoint["optimizer_states"]
+    if mode == "bf16":
+        assert set(scales.values()) == {1.0}
+    fresh = SACModule(branched["hyper_parameters"]["config"], *_shapes(branched)).configure_optimizers()
+    for scale, converted, stored, own in zip(
+        scales.values(), branched["optimizer_states"], fp32_checkpoint["optimizer_states"], fresh
     ):
         for index, moments in stored["state"].items():
             new = converted["state"][index]
             assert new["step"] == int(moments["step"])
-            assert torch.equal(new["exp_avg"], (moments["exp_avg"].double() * scale).half())
+            assert torch.equal(new["exp_avg"], (moments["exp_avg"].double() * scale).to(dtype))
             root = moments["exp_avg_sq"].double().sqrt() * (0.1 / math.sqrt(0.001) * scale)  # s = S·c·√v
-            assert torch.equal(new["exp_avg_root"], root.half())
-        assert converted["param_groups"][0]["eps"] == pytest.approx(max(1e-4 * scale / 1e4, 1e-7))
-    # the target: θ̄ = θ̄_S / K_i, within fp16's rounding of the fp32 target
+            assert torch.equal(new["exp_avg_root"], root.to(dtype))
+        eps = max(1e-4 * scale / 1e4, 1e-7) if mode == "fp16" else own.param_groups[0]["eps"]
+        assert converted["param_groups"][0]["eps"] == pytest.approx(eps)
+    # the target: θ̄ = θ̄_S / K_i, within the half type's rounding of the fp32 target
     module = SACModule.from_checkpoint(branched)
     updater = module.target_updater
     assert int(updater.updates_applied) == 1 and int(updater.first_nonfinite) == -1
     scaled, _ = updater._buffers_in_order()
+    roundoff, smallest = ROUNDOFF[mode]
     for name, buffer, factor in zip(updater.param_names, scaled, updater.tensor_scales().tolist()):
         average = source[f"critic_target.{name}"].double()
-        assert torch.allclose(buffer.double() / factor, average, rtol=2**-10, atol=2**-24 / factor), name
+        assert torch.allclose(buffer.double() / factor, average, rtol=roundoff, atol=smallest / factor), name
 
 
-def test_the_converted_optimizer_steps_on_as_float64_adam_from_the_fp32_state(fp32_checkpoint):
+def _shapes(checkpoint: dict) -> tuple[tuple[int, ...], int]:
+    hparams = checkpoint["hyper_parameters"]
+    return tuple(hparams["obs_shape"]), int(hparams["action_dim"])
+
+
+@pytest.mark.parametrize("mode, tolerance", [("fp16", 2e-3), ("bf16", 1e-2)])
+def test_the_converted_optimizer_steps_on_as_float64_adam_from_the_fp32_state(fp32_checkpoint, mode, tolerance):
     """The branch's hAdam, given the next gradient in its loss scale's units, holds float64 Adam's
-    moments after the step (÷ S): the conversion put it where an fp16 run with that state would be."""
-    branched = branch_checkpoint(fp32_checkpoint, "fp16")
+    moments after the step (÷ S): the conversion put it where a half run with that state would be
+    (within a few roundings of the type: bf16 keeps 8 bits to fp16's 11)."""
+    branched = branch_checkpoint(fp32_checkpoint, mode)
     module = SACModule.from_checkpoint(branched)
     optimizer = module.configure_optimizers()[0]
     optimizer.load_state_dict(branched["optimizer_states"][0])
@@ -82,7 +104,7 @@ def test_the_converted_optimizer_steps_on_as_float64_adam_from_the_fp32_state(fp
     for name, wanted in (("exp_avg", wanted_m), ("exp_avg_root", wanted_root)):
         held = torch.cat([(optimizer.state[p][name].double() / scale).flatten() for p in params])
         expected = torch.cat([w.flatten() for w in wanted])
-        assert torch.linalg.vector_norm(held - expected) / torch.linalg.vector_norm(expected) < 2e-3, name
+        assert torch.linalg.vector_norm(held - expected) / torch.linalg.vector_norm(expected) < tolerance, name
     assert {int(optimizer.state[p]["step"]) for p in params} == {int(stored[0]["step"]) + 1}
 
 
@@ -113,7 +135,7 @@ def test_continuation_seeds_set_the_training_streams_and_keep_the_evaluations(fp
     [
         ("precision", "starts from an fp32"),
         ("weight", "past torch.float16's range"),
-        ("mode", "continues in fp32 or fp16"),
+        ("mode", "continues in fp32, fp16, bf16, not 'amp'"),
     ],
 )
 def test_what_cannot_convert_is_refused_in_one_line(fp32_checkpoint, change, message):
@@ -124,7 +146,7 @@ def test_what_cannot_convert_is_refused_in_one_line(fp32_checkpoint, change, mes
     elif change == "weight":
         checkpoint["state_dict"]["critic.q1.0.weight"][0, 0] = 1e5
     else:
-        mode = "bf16"
+        mode = "amp"
     with pytest.raises(ckpt.CheckpointError, match=message) as info:
         branch_checkpoint(checkpoint, mode)
     assert "\n" not in str(info.value)
@@ -138,7 +160,27 @@ def test_paired_verdict_reads_matches_lags_and_undecided():
     assert unsure.reading == "undecided" and unsure.ci95[0] < 0 < unsure.ci95[1]
     assert unsure.units_to_lag is not None and unsure.units_to_lag > 3
     assert "undecided" in unsure.sentence() and "pairs that would decide it" in unsure.sentence()
+    by_base = unsure.sentence(units="bases")  # the unit is named: pairs, bases or seeds
+    assert "over 3 bases" in by_base and "bases that would decide it" in by_base and "pairs" not in by_base
     assert verdict.paired_verdict([5.0], 100.0).reading == "too few"
+
+
+@pytest.mark.parametrize("verdict_bases, label", [(3, "By base (the verdict)"), (10, "interim, 3 of the 10 bases")])
+def test_the_base_reading_is_the_verdict_only_from_the_bases_fixed_for_it(tmp_path, verdict_bases, label):
+    """Three bases of one continuation each, fp16 lower on each; below ``--verdict-bases`` the
+    base-level reading says it is interim, never 'the verdict'."""
+    branches = []
+    for index, gap in enumerate((-30.0, -10.0, -20.0)):
+        base = branch_tool.Base(f"b{index}", tmp_path / f"b{index}" / "last.ckpt", 100)
+        for mode, offset in (("fp16", gap), ("fp32", 0.0)):
+            run_dir = tmp_path / "out" / base.label / mode / "c1"
+            run_dir.mkdir(parents=True)
+            rows = [f"{frames},{200.0 + index + offset}" for frames in (100, 150, 200)]
+            (run_dir / "metrics.csv").write_text("env_frames,eval/return\n" + "\n".join(rows) + "\n")
+            branches.append(branch_tool.Branch(base, mode, 1, run_dir))
+    text = branch_tool.collect(branches, 100, "fp32", tmp_path / "out", verdict_bases)
+    assert label in text and "over 3 bases" in text and text.count("By base") == 1
+    assert ("By base (the verdict)" in text) == (verdict_bases == 3)
 
 
 @pytest.mark.slow
@@ -170,6 +212,12 @@ def test_branch_tool_continues_both_arms_and_pairs_them(tiny_fp32_run, tmp_path)
     assert (out / "curves.png").stat().st_size > 10_000  # a panel per base: the base, then every arm
     again = subprocess.run(command, env=cli_env(), capture_output=True, text=True, cwd=tmp_path)
     assert again.returncode == 0 and again.stdout.count("done") == 4  # a finished branch is not trained again
+    wider = subprocess.run(
+        [*command[:7], "1,2,3", *command[8:], "--collect-only"], env=cli_env(), capture_output=True, text=True
+    )
+    assert wider.returncode == 0, wider.stderr[-2000:]
+    listed = (out / "results.md").read_text()  # a planned continuation nobody ran is not called unfinished
+    assert "Not started: " in listed and listed.count("/c3") == 2 and "Started, not finished" not in listed
 
 
 def test_branch_tool_refuses_a_non_fp32_base_in_one_line(tiny_fp16_run, tmp_path):
@@ -178,5 +226,13 @@ def test_branch_tool_refuses_a_non_fp32_base_in_one_line(tiny_fp16_run, tmp_path
         [*command, "--out", str(tmp_path / "b")], env=cli_env(), capture_output=True, text=True, cwd=tmp_path
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "fp32" in result.stderr
+    too_few = subprocess.run(
+        [*command, "--out", str(tmp_path / "c"), "--verdict-bases", "2"],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert too_few.returncode == 2 and too_few.stderr.count("\n") == 1 and "--verdict-bases" in too_few.stderr
     assert not list((tmp_path / "b").glob("*/*/c*/checkpoints/last.ckpt"))
     np.testing.assert_equal(result.stdout, "")

@@ -17,7 +17,8 @@ arguments go to every continuation). Running the same command again continues wh
 A branch's score is the mean of its evaluation returns after the branch point (the base's
 evaluation schedule continues: with ``--frames 20000`` and evaluations every 10k, at +10k and
 +20k). Pairs are (base, continuation): each mode against ``--against`` (fp32). The verdict follows
-tools/verdict.py's rule over the pairs, and over base means once there are 3 or more bases.
+tools/verdict.py's rule over the pairs, and over base means once there are 3 or more bases (the
+verdict from ``--verdict-bases`` bases on, an interim reading below that).
 Writes ``OUT/branches.csv`` (every branch's evaluations), ``OUT/paired.csv``, ``OUT/results.md`` and
 ``OUT/curves.png`` (a panel per base: its curve to the branch point, then every finished arm).
 Bad arguments and unconvertible checkpoints: one ``error:`` line, exit 2; exit 1 when a continuation
@@ -188,14 +189,16 @@ def branch_evaluations(branch: Branch) -> tuple[list[int], list[float]]:
     return [int(f) for f in frames[keep]], [float(r) for r in returns[keep]]
 
 
-def collect(branches: Sequence[Branch], frames: int, against: str, out: Path) -> str:
-    """Write branches.csv, paired.csv and results.md; return the markdown."""
+def collect(branches: Sequence[Branch], frames: int, against: str, out: Path, verdict_bases: int = 3) -> str:
+    """Write branches.csv, paired.csv and results.md; return the markdown. The base-level reading
+    is the verdict from ``verdict_bases`` bases on; with fewer (and at least 3) it is interim."""
     scores: dict[tuple[str, str, int], float] = {}
+    evaluations = {branch.key: branch_evaluations(branch) for branch in branches}  # read once: table and plot
     with open(out / "branches.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["base", "mode", "continuation", "env_frames", "eval_return"])
         for branch in branches:
-            at, returns = branch_evaluations(branch)
+            at, returns = evaluations[branch.key]
             for frame, value in zip(at, returns):
                 writer.writerow([branch.base.label, branch.mode, branch.continuation, frame, f"{value:.3f}"])
             if at and at[-1] >= branch.base.env_frames + frames:
@@ -223,16 +226,27 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path) ->
             labels = sorted({p[0] for p in pairs})
             if len(labels) >= 3:
                 by_base = [np.mean([a - b for lab, _, a, b in pairs if lab == label]) for label in labels]
-                base_verdict = paired_verdict(by_base, reference)
-                lines += [f"**By base (the verdict): {base_verdict.sentence(f'{mode} - {against}')}**", ""]
+                base_verdict = paired_verdict(by_base, reference).sentence(f"{mode} - {against}", units="bases")
+                status = (
+                    "the verdict"
+                    if len(labels) >= verdict_bases
+                    else f"interim, {len(labels)} of the {verdict_bases} bases the verdict is read at"
+                )
+                lines += [f"**By base ({status}): {base_verdict}**", ""]
             lines += [f"| base | continuation | {mode} | {against} | difference |", "|---|---|---|---|---|"]
             lines += [f"| {lab} | {c} | {a:.1f} | {b:.1f} | {a - b:+.1f} |" for lab, c, a, b in pairs]
             lines.append("")
-    waiting = [b.key for b in branches if (b.base.label, b.mode, b.continuation) not in scores]
-    if waiting:
-        lines += ["Not finished: " + ", ".join(waiting), ""]
+    unscored = [b for b in branches if (b.base.label, b.mode, b.continuation) not in scores]
+    # a converted branch holds a checkpoint at the branch point; started means trained past it
+    started = {b.key for b in unscored if (checkpoint_frames(b.run_dir) or 0) > b.base.env_frames}
+    running = [b.key for b in unscored if b.key in started]
+    unstarted = [b.key for b in unscored if b.key not in started]
+    if running:
+        lines += ["Started, not finished: " + ", ".join(running), ""]
+    if unstarted:
+        lines += ["Not started: " + ", ".join(unstarted), ""]
     if scores:
-        plot_branches(branches, scores, against, out / "curves.png")
+        plot_branches(branches, evaluations, scores, against, out / "curves.png")
         lines += [
             "![Each base's returns to the branch point, then every arm of every continuation](curves.png)",
             "",
@@ -243,25 +257,20 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path) ->
 
 
 def plot_branches(
-    branches: Sequence[Branch], scores: dict[tuple[str, str, int], float], against: str, out: Path
+    branches: Sequence[Branch],
+    evaluations: dict[str, tuple[list[int], list[float]]],
+    scores: dict[tuple[str, str, int], float],
+    against: str,
+    out: Path,
 ) -> None:
     """One panel per base: the base run's evaluation returns up to the branch point (grey), then
     each finished branch from there, a colour per mode and a line style per continuation; the
     panel's title gives each pair's score difference."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
     finished = [b for b in branches if (b.base.label, b.mode, b.continuation) in scores]
     bases = sorted({b.base.label: b.base for b in finished}.values(), key=lambda base: base.label)
-    modes = sorted({b.mode for b in branches})
-    colors = {mode: plt.get_cmap("tab10")(i % 10) for i, mode in enumerate(modes)}
+    fig, axes, colors = plot.panels(len(bases), sorted({b.mode for b in branches}))
     styles = ("-", "--", ":", "-.")
-    columns = min(3, len(bases))
-    rows = -(-len(bases) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
-    for ax, base in zip(axes.flat, bases):
+    for ax, base in zip(axes, bases):
         base_dir = base.file.parent.parent if base.file.parent.name == "checkpoints" else base.file.parent
         try:
             frames, returns = plot.read_eval_curve(base_dir)
@@ -272,7 +281,7 @@ def plot_branches(
             start = None
         differences = []
         for branch in (b for b in finished if b.base.label == base.label):
-            at, values = branch_evaluations(branch)
+            at, values = evaluations[branch.key]
             if start is not None:
                 at, values = [base.env_frames, *at], [start, *values]
             style = styles[(branch.continuation - 1) % len(styles)]
@@ -289,11 +298,7 @@ def plot_branches(
         ax.set_ylabel("eval return")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
-    for ax in list(axes.flat)[len(bases) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    plot.save_figure(fig, [out], dpi=110)
 
 
 # --- command line ----------------------------------------------------------------------------------
@@ -307,6 +312,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=20_000, help="env frames each continuation trains")
     parser.add_argument("--against", default="fp32", help="the mode every other mode is paired with")
     parser.add_argument("--jobs", type=int, default=1, help="continuations at once")
+    parser.add_argument(
+        "--verdict-bases",
+        type=int,
+        default=None,
+        help="bases at which the base-level reading is the verdict (fewer: interim; default 3, or the plan's)",
+    )
     parser.add_argument("--collect-only", action="store_true", help="only (re)write the results")
     return parser.parse_args(argv)
 
@@ -316,13 +327,15 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
         if mode not in BRANCH_PRECISIONS:
-            raise BranchError(f"--modes: a branch continues in {' or '.join(BRANCH_PRECISIONS)}, not {mode!r}")
+            raise BranchError(f"--modes: a branch continues in {', '.join(BRANCH_PRECISIONS)}, not {mode!r}")
     try:
         continuations = [int(c) for c in args.continuations.split(",") if c]
     except ValueError:
         raise BranchError(f"--continuations takes comma-separated integers, got {args.continuations!r}") from None
     if args.frames <= 0 or args.jobs <= 0:
         raise BranchError("--frames and --jobs must be positive")
+    if args.verdict_bases is not None and args.verdict_bases < 3:
+        raise BranchError(f"--verdict-bases: a base-level verdict needs 3 bases or more, got {args.verdict_bases}")
     for override in args.overrides:
         if "=" not in override:
             raise BranchError(f"{override!r} is not a key=value override")
@@ -334,6 +347,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
         record = json.loads(saved.read_text())
         bases = [Base(b["label"], Path(b["file"]), int(b["env_frames"])) for b in record["bases"]]
         modes, continuations, args.frames = record["modes"], record["continuations"], int(record["frames"])
+        if args.verdict_bases is None:
+            args.verdict_bases = int(record.get("verdict_bases", 3))
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         record = {
@@ -341,6 +356,7 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
             "modes": modes,
             "continuations": continuations,
             "frames": args.frames,
+            "verdict_bases": args.verdict_bases or 3,
         }
         files.write_atomically(saved, json.dumps(record, indent=2) + "\n")
     branches = [
@@ -374,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(run, branches))
-    print(collect(branches, frames, args.against, args.out), end="")
+    print(collect(branches, frames, args.against, args.out, args.verdict_bases or 3), end="")
     return 1 if failed else 0
 
 

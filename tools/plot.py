@@ -347,22 +347,43 @@ def _nearest_reference(task: str, frames: float) -> str:
     return ""
 
 
-def plot_curves(curves: Sequence[Curve], out: Path, stat: str = "mean", reference: str = "auto") -> list[Path]:
-    """One subplot per task, one line (with its band) per label; writes ``out`` as PNG and SVG."""
+def panels(count: int, labels: Sequence[str]) -> tuple[Any, list[Any], dict[str, Any]]:
+    """A figure of ``count`` panels, three to a row, and a colour per label (the same label has
+    the same colour in every panel); the figure's spare panels are hidden."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
+
+    columns = min(3, count)
+    rows = math.ceil(count / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
+    for ax in list(axes.flat)[count:]:
+        ax.set_visible(False)
+    colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}
+    return fig, list(axes.flat)[:count], colors
+
+
+def save_figure(fig: Any, paths: Sequence[Path], dpi: int = 120) -> list[Path]:
+    """Lay the figure out, write it to every path (the format from the suffix) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return list(paths)
+
+
+def plot_curves(curves: Sequence[Curve], out: Path, stat: str = "mean", reference: str = "auto") -> list[Path]:
+    """One subplot per task, one line (with its band) per label; writes ``out`` as PNG and SVG."""
     from matplotlib.ticker import FuncFormatter
 
     tasks = sorted({curve.task for curve in curves})
-    labels = sorted({curve.label for curve in curves})
-    colors = {label: plt.get_cmap("tab10")(i % 10) for i, label in enumerate(labels)}  # same label, same colour
-    columns = min(3, len(tasks))
-    rows = math.ceil(len(tasks) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
+    fig, axes, colors = panels(len(tasks), sorted({curve.label for curve in curves}))
     band_name = "IQM" if stat == "iqm" else "mean"
-    for ax, task in zip(axes.flat, tasks):
+    for ax, task in zip(axes, tasks):
         task_curves = [c for c in curves if c.task == task]
         for curve in task_curves:
             color = colors[curve.label]
@@ -383,17 +404,7 @@ def plot_curves(curves: Sequence[Curve], out: Path, stat: str = "mean", referenc
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _frames_text(x)))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
-    for ax in list(axes.flat)[len(tasks) :]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    written = []
-    for suffix in (".png", ".svg"):
-        path = out.with_suffix(suffix)
-        fig.savefig(path, dpi=120)
-        written.append(path)
-    plt.close(fig)
-    return written
+    return save_figure(fig, [out.with_suffix(".png"), out.with_suffix(".svg")])
 
 
 def _reference_marks(ax: Any, task: str, last_frames: float, reference: str) -> None:

@@ -56,11 +56,12 @@ class Verdict:
     units_to_match: int | None  # units at which the 90% interval would fit the band, the mean and sd as observed
     units_to_lag: int | None  # units at which the 95% interval would exclude 0 (lags or leads)
 
-    def sentence(self, what: str = "fp16 - fp32") -> str:
+    def sentence(self, what: str = "fp16 - fp32", units: str = "pairs") -> str:
+        """The verdict in one sentence; ``units`` names what was paired (seeds, pairs, bases)."""
         if self.mean is None or self.ci95 is None or self.ci90 is None:
-            return f"{self.reading}: {self.n} paired unit(s), too few for an interval"
+            return f"{self.reading}: {self.n} {units}, too few for an interval"
         text = (
-            f"{self.reading}: {what} = {self.mean:+.1f} over {self.n} pairs, 90% interval "
+            f"{self.reading}: {what} = {self.mean:+.1f} over {self.n} {units}, 90% interval "
             f"[{self.ci90[0]:+.1f}, {self.ci90[1]:+.1f}], 95% [{self.ci95[0]:+.1f}, {self.ci95[1]:+.1f}]; "
             f"band of 'matches' ±{self.margin:.1f} (10% of the reference's {self.reference_mean:.1f})"
         )
@@ -70,7 +71,7 @@ class Verdict:
                 need.append(f"'matches' at ~{self.units_to_match}")
             if self.units_to_lag is not None:
                 need.append(f"'{'lags' if self.mean < 0 else 'leads'}' at ~{self.units_to_lag}")
-            text += "; pairs that would decide it with this mean and spread: " + (
+            text += f"; {units} that would decide it with this mean and spread: " + (
                 ", ".join(need) if need else "none (the mean sits at the band's edge)"
             )
         return text
@@ -179,7 +180,7 @@ def markdown(
         f"# {args.mode} against {args.reference}: {args.task}, score = mean evaluation return over "
         f"{args.window[0]:,}-{args.window[1]:,} frames",
         "",
-        f"**{verdict.sentence(f'{args.mode} - {args.reference}')}**",
+        f"**{verdict.sentence(f'{args.mode} - {args.reference}', units='seeds')}**",
         "",
         f"| seed | {args.mode} | {args.reference} | difference |",
         "|---|---|---|---|",
