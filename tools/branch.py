@@ -238,9 +238,8 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path, ve
             lines.append("")
     unscored = [b for b in branches if (b.base.label, b.mode, b.continuation) not in scores]
     # a converted branch holds a checkpoint at the branch point; started means trained past it
-    started = {b.key for b in unscored if (checkpoint_frames(b.run_dir) or 0) > b.base.env_frames}
-    running = [b.key for b in unscored if b.key in started]
-    unstarted = [b.key for b in unscored if b.key not in started]
+    running = [b.key for b in unscored if (checkpoint_frames(b.run_dir) or 0) > b.base.env_frames]
+    unstarted = [b.key for b in unscored if b.key not in running]
     if running:
         lines += ["Started, not finished: " + ", ".join(running), ""]
     if unstarted:
@@ -350,13 +349,15 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
         if args.verdict_bases is None:
             args.verdict_bases = int(record.get("verdict_bases", 3))
     else:
+        if args.verdict_bases is None:
+            args.verdict_bases = 3
         args.out.mkdir(parents=True, exist_ok=True)
         record = {
             "bases": [{"label": b.label, "file": str(b.file), "env_frames": b.env_frames} for b in bases],
             "modes": modes,
             "continuations": continuations,
             "frames": args.frames,
-            "verdict_bases": args.verdict_bases or 3,
+            "verdict_bases": args.verdict_bases,
         }
         files.write_atomically(saved, json.dumps(record, indent=2) + "\n")
     branches = [
@@ -390,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             list(pool.map(run, branches))
-    print(collect(branches, frames, args.against, args.out, args.verdict_bases or 3), end="")
+    print(collect(branches, frames, args.against, args.out, args.verdict_bases), end="")
     return 1 if failed else 0
 
 
