@@ -26,6 +26,19 @@ of a run in ``precision`` (``fp32``, ``fp16`` or ``bf16``), as if that run had r
   compensation buffers zero;
 * counters, the replay file and every other callback state as they were.
 
+A ``q_scale`` c moves the run into larger returns' units: the same task with rewards ×c and the
+temperature ×c, whose soft Q-function is c times the base's (the soft Bellman equation
+``Q = r + γ·E[Q' - α·log π']`` is linear in ``(r, α)``) and whose best policy is the base's.
+The fp32 checkpoint is rewritten before any conversion: the last layer of each Q head and of its
+target ×c (so every Q the critic outputs is ×c), ``log α += ln c``, ``agent.reward_scale ×c``,
+and Adam's moments follow their gradients (``m ×k``, ``v ×k²``): the critic's loss is ×c², so
+its gradients are ×c² (k = c²) except in those last layers (k = c, as ``∂Q/∂W`` is unchanged);
+the actor's loss ``α·log π - Q`` and the temperature's ``log α·α·E[-log π - H̄]`` are ×c (k = c).
+Adam's step ``m/√v`` is unchanged by it (up to ε), so every weight but those last layers steps
+as the base's would; the last layers, c times larger, move by the same amount, c times slower
+relative to themselves. So a CPU's batch-32 run with Q near 40 reaches the gradients of a run with
+Q in the hundreds (what a GPU's batch of 512 trains to), without training that long.
+
 A ``continuation`` seed replaces the random streams the run continues with (the collector's and
 environments' generators, torch's and Python's) by ones derived from it; the evaluation's
 environment keeps its stream, so every branch is evaluated on the same episodes. Without one the
@@ -54,10 +67,12 @@ BRANCH_PRECISIONS = ("fp32", "fp16", "bf16")
 BRANCH_STREAM_TAG = 0x6272616E6368  # "branch"
 
 
-def branch_checkpoint(checkpoint: dict[str, Any], precision: str, continuation: int | None = None) -> dict[str, Any]:
+def branch_checkpoint(
+    checkpoint: dict[str, Any], precision: str, continuation: int | None = None, q_scale: float = 1.0
+) -> dict[str, Any]:
     """The checkpoint of a run in ``precision`` continuing from ``checkpoint`` (an fp32 run's, as
-    loaded by :func:`pixelsac.checkpoint.load`); see the module docstring. ``checkpoint`` is not
-    changed."""
+    loaded by :func:`pixelsac.checkpoint.load`), with its Q values ×``q_scale``; see the module
+    docstring. ``checkpoint`` is not changed."""
     from pixelsac.module import SACModule
 
     if precision not in BRANCH_PRECISIONS:
@@ -70,6 +85,11 @@ def branch_checkpoint(checkpoint: dict[str, Any], precision: str, continuation: 
     saved = callback_state(checkpoint, "Checkpointer") or {}
     if saved.get("ranks"):
         raise CheckpointError("branching needs a checkpoint of one process; this one holds several data-parallel ranks")
+    if not (isinstance(q_scale, (int, float)) and math.isfinite(q_scale) and q_scale > 0):
+        raise CheckpointError(f"the Q scale must be a finite number above 0, not {q_scale!r}")
+    if q_scale != 1.0:
+        checkpoint = scaled_returns(checkpoint, float(q_scale))
+        config = checkpoint["hyper_parameters"]["config"]
     out = dict(checkpoint)
     out["hyper_parameters"] = {**checkpoint["hyper_parameters"], "config": {**config, "precision": precision}}
     if precision != "fp32":
@@ -87,6 +107,50 @@ def branch_checkpoint(checkpoint: dict[str, Any], precision: str, continuation: 
     if continuation is not None:
         out["callbacks"] = _reseeded(checkpoint["callbacks"], int(continuation))
     return out
+
+
+def scaled_returns(checkpoint: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The fp32 ``checkpoint`` with rewards, temperature and Q ×``factor`` and Adam's moments in the
+    units of the gradients that follow (module docstring); ``checkpoint`` is not changed."""
+    from pixelsac.module import LOSSES, SACModule
+
+    hparams = checkpoint["hyper_parameters"]
+    config = copy.deepcopy(hparams["config"])
+    agent = config["agent"]
+    agent["reward_scale"] = float(agent.get("reward_scale", 1.0)) * factor
+    module = SACModule(hparams["config"], tuple(hparams["obs_shape"]), int(hparams["action_dim"]))
+    names = {id(param): name for name, param in module.named_parameters()}
+    last_layers = [f"{head}.{len(getattr(module.critic, head)) - 1}" for head in ("q1", "q2")]  # q1.4, q2.4
+    q_outputs = {
+        f"{owner}.{layer}.{kind}"
+        for owner in ("critic", "critic_target")
+        for layer in last_layers
+        for kind in ("weight", "bias")
+    }
+    state = dict(checkpoint["state_dict"])
+    for name in q_outputs:
+        state[name] = state[name] * factor
+    state["log_alpha"] = state["log_alpha"] + math.log(factor)
+
+    def gradient_factor(loss: str, name: str) -> float:
+        if loss != "critic":
+            return factor  # α·log π - Q, and log α·α·E[-log π - H̄]: ×c
+        return factor if name in q_outputs else factor * factor
+
+    stored_states = []
+    for loss, optimizer, stored in zip(LOSSES, module.configure_optimizers(), checkpoint["optimizer_states"]):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        moments = {}
+        for index, moment in stored["state"].items():
+            k = gradient_factor(loss, names[id(params[index])])
+            moments[index] = {**moment, "exp_avg": moment["exp_avg"] * k, "exp_avg_sq": moment["exp_avg_sq"] * (k * k)}
+        stored_states.append({**stored, "state": moments})
+    return {
+        **checkpoint,
+        "hyper_parameters": {**hparams, "config": config},
+        "state_dict": state,
+        "optimizer_states": stored_states,
+    }
 
 
 def loss_scale_for(root_moments: list[torch.Tensor], beta2: float, init_scale: float, dtype: torch.dtype) -> float:

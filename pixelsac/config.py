@@ -128,6 +128,7 @@ _LOWER_BOUNDS: dict[str, float] = {
     "agent.adam_eps": 1e-30,
     "agent.init_temperature": 1e-30,
     "agent.critic_tau": 1e-30,
+    "agent.reward_scale": 1e-30,
     "stop.max_wait_steps": 0,
     "stop.max_wait_seconds": 0.0,
     "train.progress_every_seconds": 0.0,

@@ -101,6 +101,7 @@ class SACModule(L.LightningModule):
         agent = self.cfg.agent
         self.obs_shape, self.action_dim = tuple(obs_shape), int(action_dim)
         self.precision_policy = PrecisionPolicy.from_config(self.cfg, "cpu")  # re-resolved for the device in setup()
+        self.reward_scale = float(agent.get("reward_scale", 1.0))  # 1.0: checkpoints from before the key
 
         self.actor, self.critic = build_networks(self.obs_shape, self.action_dim, agent)
         self.critic.fp32_q_output = self.precision_policy.fp32_q_output  # the target's copy inherits it
@@ -407,7 +408,8 @@ class SACModule(L.LightningModule):
         # shifted as uint8 frames and cast after: the same values, a quarter of the bytes to move
         next_aug = observe(self.augment.copies(batch["next_obs"], agent.aug_target_copies))
         obs_aug = observe(self.augment.copies(batch["obs"], agent.aug_q_copies))
-        action, reward, not_terminal = cast(batch["action"]), cast(batch["reward"]), cast(batch["not_terminal"])
+        reward = batch["reward"] if self.reward_scale == 1.0 else batch["reward"] * self.reward_scale
+        action, reward, not_terminal = cast(batch["action"]), cast(reward), cast(batch["not_terminal"])
         critic_opt, actor_opt, alpha_opt = self.optimizers()
 
         with self.precision_policy.compute_context():

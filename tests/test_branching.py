@@ -118,6 +118,115 @@ def test_loss_scale_keeps_every_remembered_gradient_within_fp16():
         loss_scale_for([torch.tensor([1e30])], 0.999, 1e4, torch.float16)
 
 
+Q_SCALE = 10.0
+
+
+def _losses_and_gradients(module: SACModule, batch: dict[str, torch.Tensor]) -> tuple[list[float], dict]:
+    """The critic's, actor's and temperature's losses on ``batch`` (same noise for every module),
+    and each optimizer's gradients by parameter name; rewards enter ×reward_scale as in update()."""
+    module.train()
+    names = {id(p): n for n, p in module.named_parameters()}
+    obs = batch["obs"].float().repeat(2, 1, 1, 1)
+    next_obs = batch["next_obs"].float().repeat(2, 1, 1, 1)
+    reward = batch["reward"] * module.reward_scale
+    torch.manual_seed(1)
+    critic_loss, _ = module.critic_loss(obs, batch["action"], reward, batch["not_terminal"], next_obs)
+    critic_loss.backward()
+    grads = {
+        "critic": {names[id(p)]: p.grad.double().clone() for p in module.critic.parameters() if p.grad is not None}
+    }
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(2)
+    actor_loss, alpha_loss, _ = module.actor_and_alpha_loss(obs[: batch["action"].shape[0]])
+    actor_loss.backward()
+    grads["actor"] = {names[id(p)]: p.grad.double().clone() for p in module.actor.parameters() if p.grad is not None}
+    alpha_loss.backward()
+    grads["alpha"] = {"log_alpha": module.log_alpha.grad.double().clone()}
+    module.zero_grad(set_to_none=True)
+    return [float(critic_loss), float(actor_loss)], grads  # log α·(α·E[...]): only its gradient is ×c
+
+
+def test_a_q_scaled_branch_is_the_same_run_in_units_c_times_larger(fp32_checkpoint):
+    """Rewards, α and Q ×c: the critic's loss ×c² and its gradients ×c² (×c in the Q heads' last
+    layers), the actor's and temperature's ×c, and the moments moved into those same units, so
+    Adam steps every weight but the last layers as the base does."""
+    c = Q_SCALE
+    scaled = branch_checkpoint(fp32_checkpoint, "fp32", q_scale=c)
+    assert scaled["hyper_parameters"]["config"]["agent"]["reward_scale"] == c
+    assert fp32_checkpoint["hyper_parameters"]["config"]["agent"].get("reward_scale", 1.0) == 1.0  # not changed
+    base, moved = SACModule.from_checkpoint(fp32_checkpoint), SACModule.from_checkpoint(scaled)
+    assert float(moved.alpha.detach()) == pytest.approx(c * float(base.alpha.detach()), rel=1e-6)
+    generator = torch.Generator().manual_seed(5)
+    obs_shape, action_dim = _shapes(fp32_checkpoint)
+    batch = {
+        "obs": torch.randint(0, 256, (4, *obs_shape), generator=generator).float(),
+        "next_obs": torch.randint(0, 256, (4, *obs_shape), generator=generator).float(),
+        "action": torch.rand(4, action_dim, generator=generator) * 2 - 1,
+        "reward": torch.rand(4, 1, generator=generator),
+        "not_terminal": torch.ones(4, 1),
+    }
+    with torch.no_grad():
+        for q_base, q_moved in zip(
+            base.critic(batch["obs"], batch["action"]), moved.critic(batch["obs"], batch["action"])
+        ):
+            torch.testing.assert_close(q_moved, c * q_base, rtol=1e-5, atol=1e-6)
+    losses_base, grads_base = _losses_and_gradients(base, batch)
+    losses_moved, grads_moved = _losses_and_gradients(moved, batch)
+    for factor, a, b in zip((c * c, c), losses_base, losses_moved):
+        assert b == pytest.approx(factor * a, rel=1e-4)
+    last_layers = {f"critic.{h}.4.{k}" for h in ("q1", "q2") for k in ("weight", "bias")}
+    for loss, index in (("critic", 0), ("actor", 1), ("alpha", 2)):
+        params = [n for n, _ in base.named_parameters() if n in grads_base[loss]]
+        stored, converted = (
+            fp32_checkpoint["optimizer_states"][index]["state"],
+            scaled["optimizer_states"][index]["state"],
+        )
+        for position, name in enumerate(params):
+            k = c if loss != "critic" or name in last_layers else c * c
+            wanted = k * grads_base[loss][name]
+            assert torch.linalg.vector_norm(grads_moved[loss][name] - wanted) <= 1e-4 * torch.linalg.vector_norm(
+                wanted
+            ), name
+            # the stored moments are in the units of these gradients (Adam's step m/√v unchanged)
+            assert torch.allclose(converted[position]["exp_avg"], k * stored[position]["exp_avg"], rtol=1e-6)
+            assert torch.allclose(converted[position]["exp_avg_sq"], k * k * stored[position]["exp_avg_sq"], rtol=1e-6)
+
+
+def test_the_update_feeds_rewards_times_reward_scale_to_the_critic():
+    from test_module import fit, make_batch, make_module
+
+    module = make_module("precision=fp32", "agent.reward_scale=2.5")
+    seen = []
+    critic_loss = module.critic_loss
+
+    def recording(obs_aug, action, reward, *rest):
+        seen.append(reward.clone())
+        return critic_loss(obs_aug, action, reward, *rest)
+
+    module.critic_loss = recording
+    batch = make_batch()
+    fit(module, [batch])
+    assert torch.equal(seen[0], batch["reward"] * 2.5)
+
+
+def test_a_q_scaled_fp16_branch_takes_a_loss_scale_c_squared_smaller(fp32_checkpoint):
+    """The critic's remembered gradients are c² larger, the actor's c: the conversion's scale (the
+    largest power-of-two step below init_scale that holds them) shrinks with them, by up to c² (c)
+    rounded to a power of two, less where the base's scale sat at init_scale with room to spare."""
+    plain = branch_checkpoint(fp32_checkpoint, "fp16")["pixelsac"]["scalers"]
+    moved = branch_checkpoint(fp32_checkpoint, "fp16", q_scale=Q_SCALE)["pixelsac"]["scalers"]
+    for loss, factor in (("critic", Q_SCALE**2), ("actor", Q_SCALE)):
+        ratio = plain[loss]["scale"] / moved[loss]["scale"]
+        assert 2 <= ratio <= 2 * factor and math.log2(ratio).is_integer(), (loss, ratio)
+    assert plain["critic"]["scale"] / moved["critic"]["scale"] >= Q_SCALE**2 / 2
+
+
+@pytest.mark.parametrize("q_scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_q_scale_that_is_not_a_positive_number_is_refused(fp32_checkpoint, q_scale):
+    with pytest.raises(ckpt.CheckpointError, match="finite number above 0"):
+        branch_checkpoint(fp32_checkpoint, "fp16", q_scale=q_scale)
+
+
 def test_continuation_seeds_set_the_training_streams_and_keep_the_evaluations(fp32_checkpoint):
     one16, one32 = branch_checkpoint(fp32_checkpoint, "fp16", 1), branch_checkpoint(fp32_checkpoint, "fp32", 1)
     two = branch_checkpoint(fp32_checkpoint, "fp32", 2)
@@ -236,3 +345,14 @@ def test_branch_tool_refuses_a_non_fp32_base_in_one_line(tiny_fp16_run, tmp_path
     assert too_few.returncode == 2 and too_few.stderr.count("\n") == 1 and "--verdict-bases" in too_few.stderr
     assert not list((tmp_path / "b").glob("*/*/c*/checkpoints/last.ckpt"))
     np.testing.assert_equal(result.stdout, "")
+
+
+def test_branch_tool_refuses_a_bad_or_changed_q_scale_in_one_line(tiny_fp32_run, tmp_path, capsys):
+    base = ["--base", str(tiny_fp32_run.run_dir), "--out", str(tmp_path / "b"), "--collect-only"]
+    assert branch_tool.main([*base, "--q-scale", "0"]) == 2
+    assert "--q-scale must be a finite number above 0" in capsys.readouterr().err
+    assert branch_tool.main([*base, "--q-scale", "10"]) == 0  # the plan holds 10 from now on
+    capsys.readouterr()
+    assert branch_tool.main(base) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--q-scale 10; give each Q scale its own --out" in err

@@ -14,6 +14,11 @@ Then ``python -m pixelsac.train resume=BRANCH train.env_frames=<base frames + --
 it (with this checkout's code, ``train.num_threads=1`` unless overridden; other ``key=value``
 arguments go to every continuation). Running the same command again continues what is unfinished.
 
+``--q-scale C`` continues every branch in larger returns' units: rewards, temperature and Q ×C,
+Adam's moments in the gradients' new units (:func:`pixelsac.branching.scaled_returns`), so a
+CPU's batch-32 base reaches the critic gradients of Q in the hundreds; returns are still reported
+in the task's units. Each Q scale needs its own ``--out``.
+
 A branch's score is the mean of its evaluation returns after the branch point (the base's
 evaluation schedule continues: with ``--frames 20000`` and evaluations every 10k, at +10k and
 +20k). Pairs are (base, continuation): each mode against ``--against`` (fp32). The verdict follows
@@ -79,6 +84,7 @@ class Branch:
     mode: str
     continuation: int
     run_dir: Path
+    q_scale: float = 1.0  # Q values ×q_scale (pixelsac.branching.scaled_returns); 1 = the base's units
 
     @property
     def key(self) -> str:
@@ -119,7 +125,7 @@ def write_branch(branch: Branch) -> dict[str, Any]:
     """Convert the base into the branch's run directory (nothing written when conversion fails)."""
     checkpoint, replays = loaded_base(branch.base.file)
     try:
-        converted = branch_checkpoint(checkpoint, branch.mode, branch.continuation)
+        converted = branch_checkpoint(checkpoint, branch.mode, branch.continuation, branch.q_scale)
     except ckpt.CheckpointError as exc:
         raise BranchError(f"{branch.base.file}: {exc}") from exc
     folder = branch.run_dir / "checkpoints"
@@ -142,6 +148,7 @@ def write_branch(branch: Branch) -> dict[str, Any]:
         "base_env_frames": branch.base.env_frames,
         "mode": branch.mode,
         "continuation": branch.continuation,
+        "q_scale": branch.q_scale,
         "loss_scales": {k: v["scale"] for k, v in converted["pixelsac"].get("scalers", {}).items()},
         "code": (commit or "unknown")[:7] + (" + uncommitted changes" if changed else ""),
     }
@@ -317,6 +324,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=None,
         help="bases at which the base-level reading is the verdict (fewer: interim; default 3, or the plan's)",
     )
+    parser.add_argument(
+        "--q-scale",
+        type=float,
+        default=1.0,
+        help="continue with rewards, temperature and Q values x this (larger returns' gradients; default 1)",
+    )
     parser.add_argument("--collect-only", action="store_true", help="only (re)write the results")
     return parser.parse_args(argv)
 
@@ -333,6 +346,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
         raise BranchError(f"--continuations takes comma-separated integers, got {args.continuations!r}") from None
     if args.frames <= 0 or args.jobs <= 0:
         raise BranchError("--frames and --jobs must be positive")
+    if not (np.isfinite(args.q_scale) and args.q_scale > 0):
+        raise BranchError(f"--q-scale must be a finite number above 0, got {args.q_scale}")
     if args.verdict_bases is not None and args.verdict_bases < 3:
         raise BranchError(f"--verdict-bases: a base-level verdict needs 3 bases or more, got {args.verdict_bases}")
     for override in args.overrides:
@@ -346,9 +361,15 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
         record = json.loads(saved.read_text())
         bases = [Base(b["label"], Path(b["file"]), int(b["env_frames"])) for b in record["bases"]]
         modes, continuations, args.frames = record["modes"], record["continuations"], int(record["frames"])
+        args.q_scale = float(record.get("q_scale", 1.0))
         if args.verdict_bases is None:
             args.verdict_bases = int(record.get("verdict_bases", 3))
     else:
+        planned_q_scale = float(json.loads(saved.read_text()).get("q_scale", 1.0)) if saved.is_file() else args.q_scale
+        if planned_q_scale != args.q_scale:
+            raise BranchError(
+                f"{args.out} holds branches at --q-scale {planned_q_scale:g}; give each Q scale its own --out"
+            )
         if args.verdict_bases is None:
             args.verdict_bases = 3
         args.out.mkdir(parents=True, exist_ok=True)
@@ -358,10 +379,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
             "continuations": continuations,
             "frames": args.frames,
             "verdict_bases": args.verdict_bases,
+            "q_scale": args.q_scale,
         }
         files.write_atomically(saved, json.dumps(record, indent=2) + "\n")
     branches = [
-        Branch(base, mode, c, args.out / base.label / mode / f"c{c}")
+        Branch(base, mode, c, args.out / base.label / mode / f"c{c}", args.q_scale)
         for base in bases
         for c in continuations
         for mode in modes
