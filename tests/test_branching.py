@@ -221,6 +221,15 @@ def test_a_q_scaled_fp16_branch_takes_a_loss_scale_c_squared_smaller(fp32_checkp
     assert plain["critic"]["scale"] / moved["critic"]["scale"] >= Q_SCALE**2 / 2
 
 
+def test_the_default_safety_floor_leaves_a_q_scaled_critic_room_to_train(fp32_checkpoint):
+    """The scale a run needs falls with its gradients: with Q ×10 the critic's is ~100× lower
+    (0.31 at full size, batch 32), a healthy run that a floor of 1 stopped at its first check."""
+    from pixelsac.config import load_config
+
+    scale = branch_checkpoint(fp32_checkpoint, "fp16", q_scale=Q_SCALE)["pixelsac"]["scalers"]["critic"]["scale"]
+    assert load_config([]).safety.min_loss_scale * 2**10 < scale
+
+
 @pytest.mark.parametrize("q_scale", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_q_scale_that_is_not_a_positive_number_is_refused(fp32_checkpoint, q_scale):
     with pytest.raises(ckpt.CheckpointError, match="finite number above 0"):

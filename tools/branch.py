@@ -217,6 +217,13 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path, ve
         "Score of a branch: the mean of its evaluation returns after the branch point. Pairs: (base, continuation).",
         "",
     ]
+    q_scales = sorted({b.q_scale for b in branches})
+    if q_scales != [1.0]:
+        lines += [
+            f"Continued with rewards, temperature and Q ×{', '.join(f'{q:g}' for q in q_scales)} (--q-scale); "
+            "returns in the task's units.",
+            "",
+        ]
     with open(out / "paired.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["base", "continuation", "mode", "score", against, "difference"])
