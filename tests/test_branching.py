@@ -365,3 +365,13 @@ def test_branch_tool_refuses_a_bad_or_changed_q_scale_in_one_line(tiny_fp32_run,
     assert branch_tool.main(base) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--q-scale 10; give each Q scale its own --out" in err
+
+
+def test_a_branch_is_listed_as_started_once_its_training_began_before_its_first_checkpoint(tmp_path):
+    base = branch_tool.Base("b_40k", tmp_path / "base" / "last.ckpt", 40_000)
+    running, planned = (branch_tool.Branch(base, "fp16", c, tmp_path / "out" / f"c{c}") for c in (1, 2))
+    for branch in (running, planned):
+        branch.run_dir.mkdir(parents=True)
+    (running.run_dir / "train.log").write_text("# python -m pixelsac.train resume=...\n")  # no checkpoint yet
+    listed = branch_tool.collect([running, planned], 20_000, "fp32", tmp_path / "out")
+    assert "Started, not finished: b_40k/fp16/c1" in listed and "Not started: b_40k/fp16/c2" in listed

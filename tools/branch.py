@@ -251,8 +251,8 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path, ve
             lines += [f"| {lab} | {c} | {a:.1f} | {b:.1f} | {a - b:+.1f} |" for lab, c, a, b in pairs]
             lines.append("")
     unscored = [b for b in branches if (b.base.label, b.mode, b.continuation) not in scores]
-    # a converted branch holds a checkpoint at the branch point; started means trained past it
-    running = [b.key for b in unscored if (checkpoint_frames(b.run_dir) or 0) > b.base.env_frames]
+    # continue_branch writes train.log before training starts; converting alone writes none
+    running = [b.key for b in unscored if (b.run_dir / "train.log").is_file()]
     unstarted = [b.key for b in unscored if b.key not in running]
     if running:
         lines += ["Started, not finished: " + ", ".join(running), ""]
