@@ -299,6 +299,33 @@ def test_the_base_reading_is_the_verdict_only_from_the_bases_fixed_for_it(tmp_pa
     text = branch_tool.collect(branches, 100, "fp32", tmp_path / "out", verdict_bases)
     assert label in text and "over 3 bases" in text and text.count("By base") == 1
     assert ("By base (the verdict)" in text) == (verdict_bases == 3)
+    # only the verdict carries a reading word; the pairs (which share bases) never do here
+    readings = ("matches:", "lags:", "leads:", "undecided:")
+    base_line = next(line for line in text.splitlines() if line.startswith("**By base"))
+    pair_line = next(line for line in text.splitlines() if line.startswith("**By pair"))
+    assert any(word in base_line for word in readings) == (verdict_bases == 3)
+    assert not any(word in pair_line for word in readings) and "not the verdict" in pair_line
+    if verdict_bases == 10:
+        assert "decides nothing): fp16 - fp32 = -20.0 over 3 bases" in base_line
+
+
+def test_a_reading_below_three_bases_is_interim_unless_the_bases_asked_for_are_fewer(tmp_path):
+    """One base, two continuations: by pair is the only reading; it decides only when
+    ``--verdict-bases`` asks for no more bases than there are."""
+    base = branch_tool.Base("b0", tmp_path / "b0" / "last.ckpt", 100)
+    branches = []
+    for c, gap in ((1, -4.0), (2, 2.0)):
+        for mode, offset in (("fp16", gap), ("fp32", 0.0)):
+            run_dir = tmp_path / "out" / base.label / mode / f"c{c}"
+            run_dir.mkdir(parents=True)
+            rows = [f"{frames},{200.0 + offset}" for frames in (100, 150, 200)]
+            (run_dir / "metrics.csv").write_text("env_frames,eval/return\n" + "\n".join(rows) + "\n")
+            branches.append(branch_tool.Branch(base, mode, c, run_dir))
+    for verdict_bases, decides in ((1, True), (3, False)):
+        text = branch_tool.collect(branches, 100, "fp32", tmp_path / "out", verdict_bases)
+        pair_line = next(line for line in text.splitlines() if line.startswith("**By pair"))
+        assert pair_line.startswith("**By pair: matches:") == decides
+        assert ("interim, 1 of the 3 bases" in pair_line) == (not decides)
 
 
 @pytest.mark.slow

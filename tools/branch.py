@@ -23,7 +23,9 @@ A branch's score is the mean of its evaluation returns after the branch point (t
 evaluation schedule continues: with ``--frames 20000`` and evaluations every 10k, at +10k and
 +20k). Pairs are (base, continuation): each mode against ``--against`` (fp32). The verdict follows
 tools/verdict.py's rule over the pairs, and over base means once there are 3 or more bases (the
-verdict from ``--verdict-bases`` bases on, an interim reading below that).
+verdict from ``--verdict-bases`` bases on, an interim reading below that). Only the verdict's line
+says "matches", "lags" or "leads"; an interim reading, and the pairs once the bases decide, give
+the same figures without the word.
 Writes ``OUT/branches.csv`` (every branch's evaluations), ``OUT/paired.csv``, ``OUT/results.md`` and
 ``OUT/curves.png`` (a panel per base: its curve to the branch point, then every finished arm).
 Bad arguments and unconvertible checkpoints: one ``error:`` line, exit 2; exit 1 when a continuation
@@ -235,16 +237,29 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path, ve
             for label, c, a, b in pairs:
                 writer.writerow([label, c, mode, f"{a:.3f}", f"{b:.3f}", f"{a - b:.3f}"])
             reference = float(np.mean([p[3] for p in pairs])) if pairs else 0.0
-            verdict = paired_verdict([a - b for _, _, a, b in pairs], reference)
-            lines += [f"## {mode} against {against}", "", f"**By pair: {verdict.sentence(f'{mode} - {against}')}**", ""]
             labels = sorted({p[0] for p in pairs})
+            # the rule decides by base once there are 3 bases, and only from verdict_bases on;
+            # a reading that is not the verdict carries no "matches" or "lags"
+            by_pair_decides = len(labels) < 3 and len(labels) >= verdict_bases
+            verdict = paired_verdict([a - b for _, _, a, b in pairs], reference)
+            if by_pair_decides:
+                pair_status = ""
+            elif len(labels) >= 3:
+                pair_status = " (not the verdict: pairs that share a base are not independent)"
+            else:
+                pair_status = f" (interim, {len(labels)} of the {verdict_bases} bases the verdict is read at)"
+            pair_line = verdict.sentence(f"{mode} - {against}", decides=by_pair_decides)
+            lines += [f"## {mode} against {against}", "", f"**By pair{pair_status}: {pair_line}**", ""]
             if len(labels) >= 3:
                 by_base = [np.mean([a - b for lab, _, a, b in pairs if lab == label]) for label in labels]
-                base_verdict = paired_verdict(by_base, reference).sentence(f"{mode} - {against}", units="bases")
+                decides = len(labels) >= verdict_bases
+                base_verdict = paired_verdict(by_base, reference).sentence(
+                    f"{mode} - {against}", units="bases", decides=decides
+                )
                 status = (
                     "the verdict"
-                    if len(labels) >= verdict_bases
-                    else f"interim, {len(labels)} of the {verdict_bases} bases the verdict is read at"
+                    if decides
+                    else f"interim, {len(labels)} of the {verdict_bases} bases the verdict is read at; decides nothing"
                 )
                 lines += [f"**By base ({status}): {base_verdict}**", ""]
             lines += [f"| base | continuation | {mode} | {against} | difference |", "|---|---|---|---|---|"]

@@ -56,12 +56,17 @@ class Verdict:
     units_to_match: int | None  # units at which the 90% interval would fit the band, the mean and sd as observed
     units_to_lag: int | None  # units at which the 95% interval would exclude 0 (lags or leads)
 
-    def sentence(self, what: str = "fp16 - fp32", units: str = "pairs") -> str:
-        """The verdict in one sentence; ``units`` names what was paired (seeds, pairs, bases)."""
+    def sentence(self, what: str = "fp16 - fp32", units: str = "pairs", decides: bool = True) -> str:
+        """The verdict in one sentence; ``units`` names what was paired (seeds, pairs, bases).
+
+        ``decides=False`` is a reading that is not the verdict (interim, or a unit the rule does
+        not decide by): the same figures without the word "matches", "lags" or "leads", so that a
+        reader who skims never takes it for one."""
+        said = f"{self.reading}: " if decides else ""
         if self.mean is None or self.ci95 is None or self.ci90 is None:
-            return f"{self.reading}: {self.n} {units}, too few for an interval"
+            return f"{said}{self.n} {units}, too few for an interval"
         text = (
-            f"{self.reading}: {what} = {self.mean:+.1f} over {self.n} {units}, 90% interval "
+            f"{said}{what} = {self.mean:+.1f} over {self.n} {units}, 90% interval "
             f"[{self.ci90[0]:+.1f}, {self.ci90[1]:+.1f}], 95% [{self.ci95[0]:+.1f}, {self.ci95[1]:+.1f}]; "
             f"band of 'matches' ±{self.margin:.1f} (10% of the reference's {self.reference_mean:.1f})"
         )
