@@ -6,6 +6,7 @@ import copy
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -283,19 +284,29 @@ def test_paired_verdict_reads_matches_lags_and_undecided():
     assert verdict.paired_verdict([5.0], 100.0).reading == "too few"
 
 
+def scored_pairs(tmp_path: Path, returns: dict[tuple[str, int], tuple[float, float]]) -> list:
+    """Finished fp16 and fp32 branches of (base label, continuation), each returning its one
+    value (fp16's, fp32's) at every evaluation after a branch point at 100 frames."""
+    branches = []
+    for (label, c), by_mode in returns.items():
+        base = branch_tool.Base(label, tmp_path / label / "last.ckpt", 100)
+        for mode, value in zip(("fp16", "fp32"), by_mode):
+            run_dir = tmp_path / "out" / label / mode / f"c{c}"
+            run_dir.mkdir(parents=True)
+            rows = [f"{frames},{value}" for frames in (100, 150, 200)]
+            (run_dir / "metrics.csv").write_text("env_frames,eval/return\n" + "\n".join(rows) + "\n")
+            branches.append(branch_tool.Branch(base, mode, c, run_dir))
+    return branches
+
+
 @pytest.mark.parametrize("verdict_bases, label", [(3, "By base (the verdict)"), (10, "interim, 3 of the 10 bases")])
 def test_the_base_reading_is_the_verdict_only_from_the_bases_fixed_for_it(tmp_path, verdict_bases, label):
     """Three bases of one continuation each, fp16 lower on each; below ``--verdict-bases`` the
     base-level reading says it is interim, never 'the verdict'."""
-    branches = []
-    for index, gap in enumerate((-30.0, -10.0, -20.0)):
-        base = branch_tool.Base(f"b{index}", tmp_path / f"b{index}" / "last.ckpt", 100)
-        for mode, offset in (("fp16", gap), ("fp32", 0.0)):
-            run_dir = tmp_path / "out" / base.label / mode / "c1"
-            run_dir.mkdir(parents=True)
-            rows = [f"{frames},{200.0 + index + offset}" for frames in (100, 150, 200)]
-            (run_dir / "metrics.csv").write_text("env_frames,eval/return\n" + "\n".join(rows) + "\n")
-            branches.append(branch_tool.Branch(base, mode, 1, run_dir))
+    branches = scored_pairs(
+        tmp_path,
+        {(f"b{index}", 1): (200.0 + index + gap, 200.0 + index) for index, gap in enumerate((-30.0, -10.0, -20.0))},
+    )
     text = branch_tool.collect(branches, 100, "fp32", tmp_path / "out", verdict_bases)
     assert label in text and "over 3 bases" in text and text.count("By base") == 1
     assert ("By base (the verdict)" in text) == (verdict_bases == 3)
@@ -312,15 +323,7 @@ def test_the_base_reading_is_the_verdict_only_from_the_bases_fixed_for_it(tmp_pa
 def test_a_reading_below_three_bases_is_interim_unless_the_bases_asked_for_are_fewer(tmp_path):
     """One base, two continuations: by pair is the only reading; it decides only when
     ``--verdict-bases`` asks for no more bases than there are."""
-    base = branch_tool.Base("b0", tmp_path / "b0" / "last.ckpt", 100)
-    branches = []
-    for c, gap in ((1, -4.0), (2, 2.0)):
-        for mode, offset in (("fp16", gap), ("fp32", 0.0)):
-            run_dir = tmp_path / "out" / base.label / mode / f"c{c}"
-            run_dir.mkdir(parents=True)
-            rows = [f"{frames},{200.0 + offset}" for frames in (100, 150, 200)]
-            (run_dir / "metrics.csv").write_text("env_frames,eval/return\n" + "\n".join(rows) + "\n")
-            branches.append(branch_tool.Branch(base, mode, c, run_dir))
+    branches = scored_pairs(tmp_path, {("b0", 1): (196.0, 200.0), ("b0", 2): (202.0, 200.0)})
     for verdict_bases, decides in ((1, True), (3, False)):
         text = branch_tool.collect(branches, 100, "fp32", tmp_path / "out", verdict_bases)
         pair_line = next(line for line in text.splitlines() if line.startswith("**By pair"))
