@@ -83,6 +83,10 @@ def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
         assert (fp32 / "checkpoints" / "last.ckpt").is_file() and "done:" in (fp32 / "train.log").read_text()
         assert "train.num_threads=1" in runs[f"cartpole_swingup/fp32/s{seed}"]["command"]
         assert (out / "cartpole_swingup" / "fp16-naive" / f"s{seed}" / "failure.json").is_file()
+    # where each run was trained: the CPU (model, 16-bit extensions), cores, torch and the code
+    machine = (out / "cartpole_swingup" / "fp32" / "s1" / "machine.txt").read_text().splitlines()
+    assert len(machine) == 1 and " fresh: " in machine[0] and experiment.cpu_line() in machine[0]
+    assert "CPUs, torch" in machine[0] and f"; code {experiment.code_version()}" in machine[0]
     rows = {(r["mode"], r["env_frames"]): r for r in read_csv(out / "results.csv")}
     assert set(rows) == {("fp32", "160"), ("fp32", "320"), ("fp16-naive", "160"), ("fp16-naive", "320")}
     assert rows[("fp32", "320")]["n"] == "2" and rows[("fp32", "320")]["failed"] == "0"
@@ -110,6 +114,8 @@ def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
     assert f"resume={out / 'cartpole_swingup' / 'fp32' / 's1'}" in more.stdout
     log = (out / "cartpole_swingup" / "fp32" / "s1" / "train.log").read_text()
     assert "resuming from" in log and "done: 480 env frames" in log
+    machine = (out / "cartpole_swingup" / "fp32" / "s1" / "machine.txt").read_text().splitlines()
+    assert [line.split()[1] for line in machine] == ["fresh:", "resume:"]  # a line per start
     assert experiment.checkpoint_frames(ckpt.parent.parent) == 480
     assert json.loads((out / "grid.json").read_text())["runs"]["cartpole_swingup/fp32/s1"]["env_frames"] == 480
     assert {r["env_frames"] for r in read_csv(out / "results.csv")} == {"240", "480"}
@@ -127,11 +133,15 @@ def test_tiny_grid_runs_resumes_extends_and_collects(tmp_path):
     assert set(rows) == {("fp32", "160"), ("fp32", "480"), ("fp16-naive", "160"), ("fp16-naive", "480")}
     assert rows[("fp32", "480")]["n"] == "2" and rows[("fp16-naive", "480")]["failed"] == "2"
     assert "--collect-only" in (out / "results.md").read_text()
-    assert (exported / "results.md").read_text() == (out / "results.md").read_text()
+    assert (exported / "results.md").read_text() == (out / "results.md").read_text().replace(str(out), "GRID")
     assert (exported / "grid.json").is_file() and (exported / "seeds.csv").is_file()
+    for name in ("grid.json", "results.md"):  # the commands they record name the grid as GRID
+        assert str(out) not in (exported / name).read_text() and "--out GRID" in (exported / name).read_text()
     # naive fp16 failed at every seed: its pairs with fp32 are none, and say so
     assert {r["reading"] for r in read_csv(exported / "paired.csv")} == {"no seed reached the budget in both"}
     assert (exported / "runs" / "cartpole_swingup" / "fp32" / "s2" / "metrics.csv").is_file()
+    machine_file = Path("cartpole_swingup", "fp32", "s2", "machine.txt")
+    assert (exported / "runs" / machine_file).read_text() == (out / machine_file).read_text()
     assert not [p for p in exported.rglob("*") if p.suffix in (".ckpt", ".pt", ".npz")]
     config = (exported / "runs" / "cartpole_swingup" / "fp32" / "s2" / "config.yaml").read_text()
     assert "run_dir: GRID/cartpole_swingup/fp32/s2" in config and str(tmp_path) not in config

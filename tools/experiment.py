@@ -290,10 +290,15 @@ def evaluated_frames(run_dir: Path) -> int | None:
     return int(frames[-1]) if frames.size else None
 
 
+#: one line per start of a run: when, how (fresh, resume, restart), the hardware and the code.
+#: Runs of one grid may come from several machines (an export's runs copied into another's
+#: --out); a paired difference is read with the machines both runs were trained on.
+MACHINE_FILE = "machine.txt"
+
 #: what --export keeps of each finished run: enough to tabulate and plot it, and for a later
 #: invocation to count it as done (summary.json, and evaluations up to the budget in metrics.csv),
-#: without checkpoints or replay files
-EXPORTED_FILES = ("metrics.csv", "summary.json", "failure.json", "config.yaml")
+#: and where it ran, without checkpoints or replay files
+EXPORTED_FILES = ("metrics.csv", "summary.json", "failure.json", "config.yaml", MACHINE_FILE)
 
 
 def plan_run(spec: RunSpec, retry_failed: bool) -> Plan:
@@ -329,6 +334,19 @@ def code_version() -> str:
     return commit[:7] + (" + uncommitted changes" if changed else "")
 
 
+def cpu_line() -> str:
+    """The CPU's model and which 16-bit float extensions it has (from /proc/cpuinfo): fp16 and
+    bf16 runs take other kernels, at other speeds, on a CPU with or without them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    extensions = [flag for flag in ("avx512_bf16", "avx512_fp16", "amx_bf16") if flag in flags]
+    return f"{model} ({' '.join(extensions) or 'no avx512_bf16/avx512_fp16/amx_bf16'})"
+
+
 def hardware_line() -> str:
     import torch
 
@@ -337,7 +355,7 @@ def hardware_line() -> str:
         if torch.cuda.is_available()
         else "no CUDA device"
     )
-    return f"{os.cpu_count()} CPUs, torch {torch.__version__}, {device}"
+    return f"{cpu_line()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {device}"
 
 
 def relative(path: str | Path) -> str:
@@ -443,6 +461,9 @@ def execute(plan: Plan, state: GridState, stop: GridStop | None = None) -> str:
     if plan.action == "restart" and spec.run_dir.exists():
         shutil.rmtree(spec.run_dir)  # a failed or checkpoint-less run starts afresh, nothing stale kept
     spec.run_dir.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    with open(spec.run_dir / MACHINE_FILE, "a") as f:
+        f.write(f"{now} {plan.action}: {hardware_line()}; code {code_version()}\n")
     log = spec.run_dir / "train.log"
     command = train_command(plan.args)
     env = {
@@ -453,7 +474,7 @@ def execute(plan: Plan, state: GridState, stop: GridStop | None = None) -> str:
     state.update_run(spec.key, status="running", action=plan.action, command=as_typed(command))
     started = time.monotonic()
     with open(log, "a") as f:
-        f.write(f"# {datetime.datetime.now().isoformat(timespec='seconds')} {plan.action}: {shlex.join(command)}\n")
+        f.write(f"# {now} {plan.action}: {shlex.join(command)}\n")
         f.flush()
         # SIGTERM when the grid process ends, however it ends: the run stops as on Ctrl-C (its work
         # saved, exit 75) and the grid's next start resumes it; its own workers go with it
@@ -891,10 +912,23 @@ def collect(
 
 def export(out: Path, dest: Path, tasks: Sequence[str], modes: Sequence[str], seeds: Sequence[int]) -> None:
     """Copy the results (results.md/csv, curves, grid.json) and each finished or failed run's
-    EXPORTED_FILES to ``dest``, ``dest/runs/<task>/<mode>/s<seed>/`` for the runs; in the runs'
-    files the grid folder's absolute path becomes ``GRID`` (e.g. ``run_dir: GRID/<task>/...``)."""
+    EXPORTED_FILES to ``dest``, ``dest/runs/<task>/<mode>/s<seed>/`` for the runs; in every text
+    file the grid folder's absolute path becomes ``GRID`` (e.g. ``run_dir: GRID/<task>/...``, and
+    the ``--out`` of the commands grid.json and results.md record), so an export names no path of
+    the machine that ran it."""
+
+    def copy_text(source: Path, target: Path) -> None:
+        text = source.read_text()
+        for absolute in (str(out.resolve()), str(out.absolute())):  # a relative --out names no machine
+            text = text.replace(absolute, "GRID")
+        target.write_text(text)
+        shutil.copystat(source, target)
+
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("results.md", "results.csv", "seeds.csv", "paired.csv", "curves.png", "curves.svg", "grid.json"):
+    for name in ("results.md", "results.csv", "seeds.csv", "paired.csv", "grid.json"):
+        if (out / name).is_file():
+            copy_text(out / name, dest / name)
+    for name in ("curves.png", "curves.svg"):
         if (out / name).is_file():
             shutil.copy2(out / name, dest / name)
     copied = 0
@@ -908,13 +942,7 @@ def export(out: Path, dest: Path, tasks: Sequence[str], modes: Sequence[str], se
                 target.mkdir(parents=True, exist_ok=True)
                 for name in EXPORTED_FILES:
                     if (run_dir / name).is_file():
-                        # the runs were given absolute run_dir=...: written relative to the
-                        # grid folder, so an export names no path of the machine that ran it
-                        text = (run_dir / name).read_text()
-                        for absolute in (str(out), str(out.resolve())):
-                            text = text.replace(absolute, "GRID")
-                        (target / name).write_text(text)
-                        shutil.copystat(run_dir / name, target / name)
+                        copy_text(run_dir / name, target / name)
                 copied += 1
     print(f"exported the results and {copied} finished runs to {dest}")
 

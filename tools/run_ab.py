@@ -62,19 +62,11 @@ def run_once(label: str, overrides: list[str], run_dir: Path, python: str) -> di
 
 
 def machine() -> str:
-    """The CPU's model and 16-bit float extensions (from /proc/cpuinfo), then the grid tool's
-    hardware line (cores, torch, the CUDA device) and the code version the runs train with."""
+    """The grid tool's hardware line (CPU model and 16-bit float extensions, cores, torch, the
+    CUDA device) and the code version the runs train with."""
     from experiment import code_version, hardware_line
 
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    extensions = [flag for flag in ("avx512_bf16", "avx512_fp16", "amx_bf16") if flag in flags]
-    cpu = f"{model} ({' '.join(extensions) or 'no avx512_bf16/avx512_fp16/amx_bf16'})"
-    return f"{cpu}; {hardware_line()}; code {code_version()}"
+    return f"{hardware_line()}; code {code_version()}"
 
 
 def _ratio(b: float | None, a: float | None) -> float | None:

@@ -14,7 +14,10 @@ The grid form reads ``GRID/<task>/<mode>/s<seed>/metrics.csv`` (tools/experiment
 run's score is the mean of its evaluation returns inside the window (both ends included); a seed
 counts once both modes have every evaluation of the window. A run stopped by a numerical failure
 before the window's end scores its last evaluation for the evaluations it did not reach (and is
-named as failed). Writes ``verdict.md`` and ``verdict.json`` with ``--out``.
+named as failed). ``--verdict-seeds N``: the rule reads its verdict once, at N seeds; with fewer
+the reading is *interim* and its line carries no "matches", "lags" or "leads". Each seed's row
+names the machine its runs were trained on (the last line of their ``machine.txt``, which
+tools/experiment.py writes). Writes ``verdict.md`` and ``verdict.json`` with ``--out``.
 """
 
 from __future__ import annotations
@@ -178,19 +181,48 @@ def grid_verdict(
     return verdict, pairs, [*ours.values(), *theirs.values()]
 
 
+def run_machine(run_dir: Path) -> str | None:
+    """The hardware a run last started on: its ``machine.txt``'s last line without the time,
+    the action and the code (``AMD EPYC (avx512_bf16), 2 CPUs, torch ...``), or None."""
+    try:
+        lines = (run_dir / "machine.txt").read_text().splitlines()
+    except OSError:
+        return None
+    last = next((line for line in reversed(lines) if ": " in line), None)
+    return last.split(": ", 1)[1].split("; code")[0] if last else None
+
+
+def seed_machine(grid: Path, task: str, modes: Sequence[str], seed: int) -> str:
+    """The machine(s) a seed's runs were trained on, once when they agree."""
+    machines = [run_machine(grid / task / mode / f"s{seed}") or "not recorded" for mode in modes]
+    return machines[0] if len(set(machines)) == 1 else " / ".join(f"{m}: {h}" for m, h in zip(modes, machines))
+
+
+def is_interim(verdict: Verdict, verdict_seeds: int | None) -> bool:
+    return verdict_seeds is not None and verdict.n < verdict_seeds
+
+
 def markdown(
     verdict: Verdict, pairs: list[tuple[int, float, float]], runs: list[RunScore], args: argparse.Namespace
 ) -> str:
+    interim = is_interim(verdict, args.verdict_seeds)
+    line = verdict.sentence(f"{args.mode} - {args.reference}", units="seeds", decides=not interim)
+    if interim:
+        line = f"interim, {verdict.n} of the {args.verdict_seeds} seeds the verdict is read at; decides nothing: {line}"
     lines = [
         f"# {args.mode} against {args.reference}: {args.task}, score = mean evaluation return over "
         f"{args.window[0]:,}-{args.window[1]:,} frames",
         "",
-        f"**{verdict.sentence(f'{args.mode} - {args.reference}', units='seeds')}**",
+        f"**{line}**",
         "",
-        f"| seed | {args.mode} | {args.reference} | difference |",
-        "|---|---|---|---|",
+        f"| seed | {args.mode} | {args.reference} | difference | trained on |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {s} | {a:.1f} | {b:.1f} | {a - b:+.1f} |" for s, a, b in pairs]
+    lines += [
+        f"| {s} | {a:.1f} | {b:.1f} | {a - b:+.1f} | "
+        f"{seed_machine(args.grid, args.task, (args.mode, args.reference), s)} |"
+        for s, a, b in pairs
+    ]
     waiting = [r for r in runs if r.score is None]
     if waiting:
         lines += ["", "Not yet scored (window incomplete): " + ", ".join(f"{r.mode} s{r.seed}" for r in waiting)]
@@ -209,11 +241,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--window", default="70000,100000", help="first,last env frame of the scored evaluations")
     parser.add_argument("--every", type=int, default=10_000, help="frames between evaluations")
     parser.add_argument("--out", type=Path, default=None, help="write verdict.md and verdict.json here")
+    parser.add_argument(
+        "--verdict-seeds",
+        type=int,
+        default=None,
+        help="seeds at which the rule reads its verdict (fewer: an interim reading that decides nothing)",
+    )
     args = parser.parse_args(argv)
     try:
         first, last = (int(x) for x in args.window.split(","))
     except ValueError:
         parser.error(f"--window takes FIRST,LAST env frames, got {args.window!r}")
+    if args.verdict_seeds is not None and args.verdict_seeds < 2:
+        parser.error(f"--verdict-seeds takes 2 or more seeds (an interval needs two), got {args.verdict_seeds}")
     if not args.grid.is_dir():
         parser.error(f"{args.grid} is not a folder; pass a tools/experiment.py grid (its --out)")
     args.window = (first, last)
@@ -228,7 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "verdict.md").write_text(text)
-        record = {"verdict": asdict(verdict), "pairs": pairs, "window": list(args.window)}
+        record = {
+            "verdict": asdict(verdict),
+            "interim": is_interim(verdict, args.verdict_seeds),
+            "verdict_seeds": args.verdict_seeds,
+            "pairs": pairs,
+            "window": list(args.window),
+        }
         (args.out / "verdict.json").write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
