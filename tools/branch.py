@@ -61,7 +61,7 @@ for path in (REPO, TOOLS):
 
 import plot  # noqa: E402
 from experiment import checkpoint_frames  # noqa: E402
-from verdict import paired_verdict  # noqa: E402
+from verdict import interim, paired_verdict  # noqa: E402
 
 from pixelsac import checkpoint as ckpt  # noqa: E402
 from pixelsac import files  # noqa: E402
@@ -247,7 +247,7 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path, ve
             elif len(labels) >= 3:
                 pair_status = " (not the verdict: pairs that share a base are not independent)"
             else:
-                pair_status = f" (interim, {len(labels)} of the {verdict_bases} bases the verdict is read at)"
+                pair_status = f" ({interim(len(labels), verdict_bases, 'bases')})"
             pair_line = verdict.sentence(f"{mode} - {against}", decides=by_pair_decides)
             lines += [f"## {mode} against {against}", "", f"**By pair{pair_status}: {pair_line}**", ""]
             if len(labels) >= 3:
@@ -257,9 +257,7 @@ def collect(branches: Sequence[Branch], frames: int, against: str, out: Path, ve
                     f"{mode} - {against}", units="bases", decides=decides
                 )
                 status = (
-                    "the verdict"
-                    if decides
-                    else f"interim, {len(labels)} of the {verdict_bases} bases the verdict is read at; decides nothing"
+                    "the verdict" if decides else f"{interim(len(labels), verdict_bases, 'bases')}; decides nothing"
                 )
                 lines += [f"**By base ({status}): {base_verdict}**", ""]
             lines += [f"| base | continuation | {mode} | {against} | difference |", "|---|---|---|---|---|"]

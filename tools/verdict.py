@@ -198,6 +198,11 @@ def seed_machine(grid: Path, task: str, modes: Sequence[str], seed: int) -> str:
     return machines[0] if len(set(machines)) == 1 else " / ".join(f"{m}: {h}" for m, h in zip(modes, machines))
 
 
+def interim(n: int, read_at: int, units: str) -> str:
+    """The label of a reading that is not the verdict: fewer units than the rule reads it at."""
+    return f"interim, {n} of the {read_at} {units} the verdict is read at"
+
+
 def is_interim(verdict: Verdict, verdict_seeds: int | None) -> bool:
     return verdict_seeds is not None and verdict.n < verdict_seeds
 
@@ -205,10 +210,10 @@ def is_interim(verdict: Verdict, verdict_seeds: int | None) -> bool:
 def markdown(
     verdict: Verdict, pairs: list[tuple[int, float, float]], runs: list[RunScore], args: argparse.Namespace
 ) -> str:
-    interim = is_interim(verdict, args.verdict_seeds)
-    line = verdict.sentence(f"{args.mode} - {args.reference}", units="seeds", decides=not interim)
-    if interim:
-        line = f"interim, {verdict.n} of the {args.verdict_seeds} seeds the verdict is read at; decides nothing: {line}"
+    before_the_verdict = is_interim(verdict, args.verdict_seeds)
+    line = verdict.sentence(f"{args.mode} - {args.reference}", units="seeds", decides=not before_the_verdict)
+    if before_the_verdict:
+        line = f"{interim(verdict.n, args.verdict_seeds, 'seeds')}; decides nothing: {line}"
     lines = [
         f"# {args.mode} against {args.reference}: {args.task}, score = mean evaluation return over "
         f"{args.window[0]:,}-{args.window[1]:,} frames",
