@@ -16,6 +16,7 @@ from conftest import REPO, cli_env
 from pixelsac import checkpoint as ckpt
 from pixelsac.branching import branch_checkpoint, loss_scale_for
 from pixelsac.module import SACModule
+from pixelsac.rundir import RunDirLock
 
 sys.path.insert(0, str(REPO / "tools"))
 import branch as branch_tool  # noqa: E402
@@ -395,6 +396,28 @@ def test_branch_tool_refuses_a_bad_or_changed_q_scale_in_one_line(tiny_fp32_run,
     assert branch_tool.main(base) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--q-scale 10; give each Q scale its own --out" in err
+
+
+def test_one_process_writes_a_branch_folder_and_a_bare_collect_reads_it_while_held(tiny_fp32_run, tmp_path, capsys):
+    out = tmp_path / "b"
+    planned = ["--base", str(tiny_fp32_run.run_dir), "--out", str(out), "--collect-only"]
+    assert branch_tool.main(planned) == 0  # writes the plan
+    capsys.readouterr()
+    plan_before = (out / "plan.json").read_text()
+    holder = RunDirLock(out, key="--out").acquire()  # another process's branch run, as far as flock can tell
+    try:
+        assert branch_tool.main([*planned, "--continuations", "7"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out {out} is in use by pid" in err
+        assert (out / "plan.json").read_text() == plan_before  # the refused command changed nothing
+        assert branch_tool.main(["--out", str(out)]) == 2  # continuing the plan trains: refused too
+        capsys.readouterr()
+        assert branch_tool.main(["--out", str(out), "--collect-only"]) == 0  # looking is not writing
+        assert "c1" in capsys.readouterr().out
+    finally:
+        holder.release()
+    assert branch_tool.main([*planned, "--continuations", "7"]) == 0
+    assert '"continuations": [\n    7\n  ]' in (out / "plan.json").read_text()
 
 
 def test_a_branch_is_listed_as_started_once_its_training_began_before_its_first_checkpoint(tmp_path):

@@ -28,6 +28,10 @@ says "matches", "lags" or "leads"; an interim reading, and the pairs once the ba
 the same figures without the word.
 Writes ``OUT/branches.csv`` (every branch's evaluations), ``OUT/paired.csv``, ``OUT/results.md`` and
 ``OUT/curves.png`` (a panel per base: its curve to the branch point, then every finished arm).
+One process writes an ``--out`` folder at a time: a command that trains or names ``--base`` holds a
+lock on it (``OUT/.lock``) to its end, and a second one is refused in one line naming the first; a
+bare ``--collect-only`` reads the plan and rewrites only the summary files, so it takes no lock and
+can look at an experiment while it runs.
 Bad arguments and unconvertible checkpoints: one ``error:`` line, exit 2; exit 1 when a continuation
 failed (see its train.log).
 """
@@ -66,7 +70,9 @@ from verdict import interim, paired_verdict  # noqa: E402
 from pixelsac import checkpoint as ckpt  # noqa: E402
 from pixelsac import files  # noqa: E402
 from pixelsac.branching import BRANCH_PRECISIONS, branch_checkpoint  # noqa: E402
+from pixelsac.cli import UsageError  # noqa: E402
 from pixelsac.provenance import git_state  # noqa: E402
+from pixelsac.rundir import RunDirLock  # noqa: E402
 
 
 class BranchError(ValueError):
@@ -354,8 +360,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
-    """The branches of the command line, or of ``OUT/plan.json`` (written at the first start)."""
+def claim(out: Path) -> RunDirLock:
+    """Lock ``out`` for this process, or refuse in one line naming the process that holds it."""
+    try:
+        return RunDirLock(out, key="--out").acquire()
+    except UsageError as exc:
+        raise BranchError(str(exc)) from None
+
+
+def plan(args: argparse.Namespace, locks: list[RunDirLock]) -> tuple[list[Branch], int]:
+    """The branches of the command line, or of ``OUT/plan.json`` (written at the first start).
+    A command that writes the plan or trains locks ``OUT`` first (added to ``locks``, which the
+    caller releases), so the plan it reads is the one it runs."""
     modes = [m for m in args.modes.split(",") if m]
     for mode in modes:
         if mode not in BRANCH_PRECISIONS:
@@ -375,9 +391,11 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
             raise BranchError(f"{override!r} is not a key=value override")
     saved = args.out / "plan.json"
     bases = [resolve_base(b) for b in args.base]
+    if not bases and not saved.is_file():
+        raise BranchError(f"no --base given and {saved} does not exist: name the runs to branch from")
+    if bases or not args.collect_only:
+        locks.append(claim(args.out))
     if not bases:
-        if not saved.is_file():
-            raise BranchError(f"no --base given and {saved} does not exist: name the runs to branch from")
         record = json.loads(saved.read_text())
         bases = [Base(b["label"], Path(b["file"]), int(b["env_frames"])) for b in record["bases"]]
         modes, continuations, args.frames = record["modes"], record["continuations"], int(record["frames"])
@@ -413,15 +431,23 @@ def plan(args: argparse.Namespace) -> tuple[list[Branch], int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    locks: list[RunDirLock] = []
     try:
-        branches, frames = plan(args)
-        if not args.collect_only:
-            for branch in branches:  # refuse an unconvertible base before anything trains
-                if checkpoint_frames(branch.run_dir) is None:
-                    write_branch(branch)
+        return branch_and_collect(args, locks)
     except BranchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def branch_and_collect(args: argparse.Namespace, locks: list[RunDirLock]) -> int:
+    branches, frames = plan(args, locks)
+    if not args.collect_only:
+        for branch in branches:  # refuse an unconvertible base before anything trains
+            if checkpoint_frames(branch.run_dir) is None:
+                write_branch(branch)
     failed = False
     if not args.collect_only:
 
