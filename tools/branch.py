@@ -360,14 +360,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def claim(out: Path) -> RunDirLock:
-    """Lock ``out`` for this process, or refuse in one line naming the process that holds it."""
-    try:
-        return RunDirLock(out, key="--out").acquire()
-    except UsageError as exc:
-        raise BranchError(str(exc)) from None
-
-
 def plan(args: argparse.Namespace, locks: list[RunDirLock]) -> tuple[list[Branch], int]:
     """The branches of the command line, or of ``OUT/plan.json`` (written at the first start).
     A command that writes the plan or trains locks ``OUT`` first (added to ``locks``, which the
@@ -394,7 +386,7 @@ def plan(args: argparse.Namespace, locks: list[RunDirLock]) -> tuple[list[Branch
     if not bases and not saved.is_file():
         raise BranchError(f"no --base given and {saved} does not exist: name the runs to branch from")
     if bases or not args.collect_only:
-        locks.append(claim(args.out))
+        locks.append(RunDirLock(args.out, key="--out").acquire())  # a UsageError names the holder
     if not bases:
         record = json.loads(saved.read_text())
         bases = [Base(b["label"], Path(b["file"]), int(b["env_frames"])) for b in record["bases"]]
@@ -434,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     locks: list[RunDirLock] = []
     try:
         return branch_and_collect(args, locks)
-    except BranchError as exc:
+    except (BranchError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
